@@ -1,0 +1,159 @@
+"""Frozen, typed engine configuration, validated at construction with errors that name the field.
+
+Defaults that depend on the hardware (block size) or on the model (max_model_len) are resolved
+once, at start-up, by :func:`resolve_engine_config`; the resulting config is never mutated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_MAX_NUM_SEQS = 128
+DEFAULT_MAX_NUM_PREFILL_SEQS = 16
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+DEFAULT_BLOCK_SIZE = {"hpu": 128, "cuda": 16, "cpu": 16}
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{type(obj).__name__}.{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    # None: the device's default (128 on HPU, 16 elsewhere), chosen at start-up.
+    block_size: int | None = None
+    # Fraction of the device's memory the worker may use in all (weights + activations + KV).
+    gpu_memory_utilization: float = 0.9
+    # Fraction of the memory left after weights and profiling that is kept for captured graphs.
+    graph_reserve_fraction: float = 0.1
+    # Fixed number of KV blocks; None = size from free memory after a profiling pass.
+    num_blocks: int | None = None
+    # On CPU the "device memory" is host RAM shared with everything else: cap the KV cache.
+    cpu_kv_cache_bytes: int = 2 << 30
+
+    def __post_init__(self) -> None:
+        _positive(self, "cpu_kv_cache_bytes")
+        if self.block_size is not None:
+            _positive(self, "block_size")
+        if self.num_blocks is not None:
+            _positive(self, "num_blocks")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"CacheConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if not 0.0 <= self.graph_reserve_fraction < 1.0:
+            raise ConfigError(
+                f"CacheConfig.graph_reserve_fraction must be in [0, 1), got {self.graph_reserve_fraction}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # None: the model's max_position_embeddings, capped at DEFAULT_MAX_MODEL_LEN, at start-up.
+    max_model_len: int | None = None
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_prefill_seqs: int = DEFAULT_MAX_NUM_PREFILL_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_num_seqs", "max_num_prefill_seqs", "max_num_batched_tokens")
+        if self.max_model_len is not None:
+            _positive(self, "max_model_len")
+        if self.max_num_prefill_seqs > self.max_num_seqs:
+            raise ConfigError(
+                f"SchedulerConfig.max_num_prefill_seqs ({self.max_num_prefill_seqs}) must be <= "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+
+
+@dataclass(frozen=True)
+class BucketingConfig:
+    strategy: str = "exponential"
+    prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        if self.strategy not in ("exponential", "linear"):
+            raise ConfigError(
+                f"BucketingConfig.strategy must be 'exponential' or 'linear', got {self.strategy!r}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "default"
+    device: str = "auto"
+    dtype: str = "float32"
+    seed: int = 0
+    skip_warmup: bool = False
+    # CPU only: torch.compile(dynamic=False) per warmed bucket.
+    compile: bool = False
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    bucketing: BucketingConfig = field(default_factory=BucketingConfig)
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda", "hpu"):
+            raise ConfigError(f"EngineConfig.device must be auto, cpu, cuda or hpu, got {self.device!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"EngineConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not self.model:
+            raise ConfigError("EngineConfig.model must not be empty")
+
+
+def config_from_args(args) -> EngineConfig:
+    """Build an EngineConfig from parsed ``engine.args`` flags; a flag left as None is resolved at start-up."""
+
+    def given(**kw):
+        return {k: v for k, v in kw.items() if v is not None}
+
+    g = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    return EngineConfig(
+        model=g("model", "default"),
+        device=g("device", "auto"),
+        dtype=g("dtype", "float32"),
+        seed=g("seed", 0),
+        skip_warmup=bool(g("skip_warmup", False)),
+        compile=bool(g("compile", False)),
+        cache=CacheConfig(
+            **given(
+                block_size=g("block_size"),
+                num_blocks=g("num_blocks"),
+                gpu_memory_utilization=g("gpu_memory_utilization"),
+            )
+        ),
+        scheduler=SchedulerConfig(
+            **given(
+                max_model_len=g("max_model_len"),
+                max_num_seqs=g("max_num_seqs"),
+                max_num_prefill_seqs=g("max_num_prefill_seqs"),
+                max_num_batched_tokens=g("max_num_batched_tokens"),
+            )
+        ),
+        bucketing=BucketingConfig(
+            strategy=g("strategy", "exponential"), prefix_caching=bool(g("prefix_caching"))
+        ),
+    )
+
+
+def resolve_engine_config(cfg: EngineConfig, device_name: str, model_max_len: int) -> EngineConfig:
+    """Fill the device- and model-dependent defaults (block size, max_model_len) once, at start-up."""
+    cache = cfg.cache
+    if cache.block_size is None:
+        cache = replace(cache, block_size=DEFAULT_BLOCK_SIZE[device_name])
+    sched = cfg.scheduler
+    if sched.max_model_len is None:
+        sched = replace(sched, max_model_len=min(DEFAULT_MAX_MODEL_LEN, model_max_len))
+    elif sched.max_model_len > model_max_len:
+        raise ConfigError(
+            f"SchedulerConfig.max_model_len ({sched.max_model_len}) exceeds the model's "
+            f"max_position_embeddings ({model_max_len})"
+        )
+    return replace(cfg, device=device_name, cache=cache, scheduler=sched)

@@ -1,0 +1,99 @@
+"""Device interface: everything hardware-specific the engine needs, behind one ABC and a registry.
+
+Backends: ``cpu`` (here, and CI), ``cuda`` (CUDA graphs, NCCL), ``hpu`` (Intel Gaudi: HPU graphs,
+HCCL; its module imports ``habana_frameworks.torch`` and is loaded only when that is installed).
+The choice is made once at start-up (:func:`get_device`); nothing in the hot loop asks which device.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+# A captured (or plain) forward: takes the same tensors every call, returns the output tensor.
+GraphFn = Callable[..., torch.Tensor]
+
+
+class Device(abc.ABC):
+    name: ClassVar[str]
+    # torch.distributed backend for KV transfer between workers on this hardware.
+    dist_backend: ClassVar[str]
+    supports_graphs: ClassVar[bool] = False
+
+    @classmethod
+    @abc.abstractmethod
+    def is_available(cls) -> bool: ...
+
+    @property
+    @abc.abstractmethod
+    def torch_device(self) -> torch.device: ...
+
+    @abc.abstractmethod
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free bytes, total bytes) of the memory the KV cache and weights live in."""
+
+    def synchronize(self) -> None:  # noqa: B027 - optional hook, a no-op on CPU
+        """Wait for queued work (no-op where execution is synchronous)."""
+
+    def mark_step(self) -> None:  # noqa: B027 - optional hook, a no-op except on lazy-mode HPU
+        """End a lazy-mode graph (HPU); a no-op elsewhere."""
+
+    def reset_peak_memory(self) -> None:  # noqa: B027
+        """Start a new peak-memory measurement (profiling pass)."""
+
+    def peak_memory(self) -> int:
+        """Peak bytes allocated since reset_peak_memory; 0 where unknown."""
+        return 0
+
+    def capture_graph(self, fn: GraphFn, static_inputs: dict[str, torch.Tensor]) -> GraphFn | None:
+        """Capture ``fn(**static_inputs)`` as a replayable graph bound to those input buffers.
+
+        Returns a zero-argument callable that replays it and returns the (static) output, or None
+        where the device has no graphs. Callers copy fresh data into ``static_inputs`` before replay.
+        """
+        return None
+
+    def describe(self) -> str:
+        free, total = self.mem_get_info()
+        return f"{self.name} ({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB)"
+
+
+_REGISTRY: dict[str, Callable[[], type[Device]]] = {}
+
+
+def register_device(name: str, loader: Callable[[], type[Device]]) -> None:
+    """Register a backend by a loader, so a backend's imports run only when it is chosen."""
+    _REGISTRY[name] = loader
+
+
+def device_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def device_class(name: str) -> type[Device]:
+    if name not in _REGISTRY:
+        raise ValueError(f"device: unknown {name!r}; known: {device_names()}")
+    return _REGISTRY[name]()
+
+
+def get_device(name: str = "auto") -> Device:
+    """'auto' picks hpu, then cuda, then cpu; a named device that is absent is an error."""
+    if name == "auto":
+        for candidate in ("hpu", "cuda", "cpu"):
+            try:
+                cls = device_class(candidate)
+            except ImportError:
+                continue
+            if cls.is_available():
+                return cls()
+        raise RuntimeError("no device available")
+    try:
+        cls = device_class(name)
+    except ImportError as e:
+        raise RuntimeError(f"device {name!r} requested but its software stack is not installed: {e}") from e
+    if not cls.is_available():
+        raise RuntimeError(f"device {name!r} requested but not available on this machine")
+    return cls()

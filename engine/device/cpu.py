@@ -1,0 +1,33 @@
+"""CPU backend: eager execution; the KV cache lives in host RAM."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.device.base import Device
+
+
+class CpuDevice(Device):
+    name = "cpu"
+    dist_backend = "gloo"
+    supports_graphs = False
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def mem_get_info(self) -> tuple[int, int]:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        try:
+            with open("/proc/meminfo") as f:
+                info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+            free = info.get("MemAvailable", total)
+        except OSError:
+            free = total
+        return free, total

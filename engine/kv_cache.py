@@ -1,0 +1,121 @@
+"""Paged KV cache: one tensor holding every layer's K and V blocks.
+
+Layout (the contract that ``kv_transfer`` relies on)::
+
+    data: [num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]
+              layer   K/V   block id      slot in block
+
+Block ids ``0 .. num_blocks-1`` belong to the :class:`BlockAllocator`. The extra block at index
+``num_blocks`` is the *null block*: padded rows of a bucketed batch write their K/V there and read
+from it, so a padded batch needs no masking on the write path and keeps a fixed shape. It is never
+allocated and never holds anything that is read back for a real token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype: unsupported {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Geometry of the KV cache; also the model fingerprint checked by KV transfer handshakes."""
+
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVCacheSpec.{name} must be > 0, got {getattr(self, name)}")
+        torch_dtype(self.dtype)
+
+    @property
+    def element_size(self) -> int:
+        return torch.tensor([], dtype=torch_dtype(self.dtype)).element_size()
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 · L · H · D · B of DESIGN.md: K and V, every layer, one token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def fingerprint(self) -> dict:
+        """What both sides of a transfer must agree on (block size may differ: it is re-blocked)."""
+        d = asdict(self)
+        d.pop("block_size")
+        return d
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+class KVCache:
+    """The paged K/V storage of one worker. Bookkeeping of which block is free lives in BlockAllocator."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu") -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.null_block = num_blocks
+        self.device = torch.device(device)
+        # [L, 2, num_blocks + 1, block_size, KVH, D]
+        self.data = torch.zeros(
+            spec.num_layers,
+            2,
+            num_blocks + 1,
+            spec.block_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+            dtype=torch_dtype(spec.dtype),
+            device=self.device,
+        )
+
+    def key_cache(self, layer: int) -> torch.Tensor:
+        return self.data[layer, 0]  # [num_blocks + 1, block_size, KVH, D]
+
+    def value_cache(self, layer: int) -> torch.Tensor:
+        return self.data[layer, 1]  # [num_blocks + 1, block_size, KVH, D]
+
+    def flat_slots(self, layer: int, kv: int) -> torch.Tensor:
+        """A view of one layer's K (kv=0) or V (kv=1) as token slots: [(num_blocks + 1) * block_size, KVH, D]."""
+        return self.data[layer, kv].view(-1, self.spec.num_kv_heads, self.spec.head_dim)
+
+    def read_blocks(self, block_ids: list[int] | torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """Copy out blocks: [L, 2, n, block_size, KVH, D] (or [2, n, block_size, KVH, D] for one layer)."""
+        idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
+        if layer is None:
+            return self.data.index_select(2, idx)
+        return self.data[layer].index_select(1, idx)
+
+    def write_blocks(
+        self, block_ids: list[int] | torch.Tensor, blocks: torch.Tensor, layer: int | None = None
+    ) -> None:
+        """Inverse of read_blocks: blocks is [L, 2, n, block_size, KVH, D] (or one layer's [2, n, ...])."""
+        idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
+        if layer is None:
+            self.data.index_copy_(2, idx, blocks.to(self.data.dtype))
+        else:
+            self.data[layer].index_copy_(1, idx, blocks.to(self.data.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()

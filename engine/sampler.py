@@ -1,0 +1,62 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds; logprobs of chosen tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.request import Request
+
+
+class Sampler:
+    def __init__(self, default_seed: int = 0) -> None:
+        self.default_seed = default_seed
+        # One generator per seeded request, so its samples do not depend on its batch neighbours.
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _generator(self, req: Request) -> torch.Generator:
+        gen = self._generators.get(req.request_id)
+        if gen is None:
+            seed = (
+                req.sampling.seed
+                if req.sampling.seed is not None
+                else hash((self.default_seed, req.request_id))
+            )
+            gen = torch.Generator().manual_seed(seed & 0xFFFF_FFFF_FFFF)
+            self._generators[req.request_id] = gen
+        return gen
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]) -> tuple[list[int], list[float] | None]:
+        """logits: [N, vocab] fp32. Returns the chosen token per request and, if any asks, logprobs."""
+        greedy = logits.argmax(-1)  # [N]
+        tokens = greedy.tolist()
+        for i, r in enumerate(reqs):
+            if not r.sampling.greedy:
+                tokens[i] = self._sample_one(logits[i], r)
+        want_logprobs = any(r.sampling.logprobs for r in reqs)
+        logprobs = None
+        if want_logprobs:
+            lp = torch.log_softmax(logits, dim=-1)  # [N, vocab]
+            logprobs = lp.gather(1, torch.tensor(tokens).view(-1, 1)).view(-1).tolist()
+        return tokens, logprobs
+
+    def _sample_one(self, logits: torch.Tensor, req: Request) -> int:
+        sp = req.sampling
+        x = logits.cpu() / sp.temperature  # [vocab]
+        if sp.top_k > 0 and sp.top_k < x.numel():
+            kth = torch.topk(x, sp.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        if sp.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            cum = sorted_p.cumsum(0)
+            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+            drop = cum - sorted_p > sp.top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+            probs = probs / probs.sum()
+        return int(torch.multinomial(probs, 1, generator=self._generator(req)).item())

@@ -1,0 +1,425 @@
+"""The ``KVTransport`` interface, its registry, and the sending logic every backend shares
+(leases, layer-by-layer streaming, checksums, retries, aborts and metrics).
+
+A backend implements three things: ``_serve`` (start receiving, return an address), ``_connect``
+(handshake with a peer, returning a :class:`SenderSession` that moves chunks) and ``_abort_remote``.
+All decisions about blocks live here and in :class:`KVReceiver`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from engine.block_allocator import BlockAllocator
+from engine.kv_cache import KVCache
+
+from .config import TransferConfig
+from .leases import LeaseTable
+from .receiver import KVReceiver
+from .types import Handshake, HandshakeResult, KVTransferError, ReceivedKV, TransferMetrics, TransferStatus
+from .wire import ChunkPlan, chunk_info, chunk_views, plan_chunks
+
+log = logging.getLogger(__name__)
+
+_REGISTRY: dict[str, type[KVTransport]] = {}
+
+
+def register_transport(name: str):
+    """Class decorator: make a backend available to :func:`create_transport` under ``name``."""
+
+    def deco(cls: type[KVTransport]) -> type[KVTransport]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"KV transport {name!r} is already registered")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def transport_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_transport_class(name: str) -> type[KVTransport]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"kv transport: unknown backend {name!r}; expected one of {transport_names()}"
+        ) from None
+
+
+def create_transport(
+    name: str,
+    cache: KVCache,
+    allocator: BlockAllocator,
+    config: TransferConfig | None = None,
+    **kwargs: object,
+) -> KVTransport:
+    return get_transport_class(name)(cache, allocator, config or TransferConfig(), **kwargs)
+
+
+@dataclass
+class FaultInjector:
+    """Deliberate damage on the sending side, for reliability tests and chaos drills: on the first
+    ``corrupt_attempts`` attempts one payload byte of chunk ``corrupt_seq`` is flipped after its
+    checksum is taken; on the first ``truncate_attempts`` attempts the last chunk is not sent;
+    every chunk waits ``chunk_delay_s`` (to widen the in-flight window)."""
+
+    corrupt_attempts: int = 0
+    corrupt_seq: int = 0
+    truncate_attempts: int = 0
+    chunk_delay_s: float = 0.0
+
+    def views(self, attempt: int, seq: int, views: list[memoryview]) -> list[memoryview]:
+        if attempt <= self.corrupt_attempts and seq == self.corrupt_seq:
+            damaged = bytearray(b"".join(views))
+            damaged[len(damaged) // 2] ^= 0xFF
+            return [memoryview(bytes(damaged))]
+        return views
+
+    def drop(self, attempt: int, seq: int, num_chunks: int) -> bool:
+        return attempt <= self.truncate_attempts and seq == num_chunks - 1
+
+
+class SenderSession(ABC):
+    """One accepted attempt of one transfer: moves chunks to the peer, then asks for its verdict."""
+
+    @abstractmethod
+    def send_chunk(self, plan: ChunkPlan, info_views: tuple) -> None:
+        """Send one chunk ((ChunkInfo, views)); raise KVTransferError when the peer has ended the
+        transfer (abort, bad chunk)."""
+
+    @abstractmethod
+    def finish(self) -> tuple[TransferStatus, str]:
+        """All chunks handed over: wait for the receiver's verdict."""
+
+    @abstractmethod
+    def cancel(self) -> None:
+        """Stop this attempt without a verdict (abort or error on the sender)."""
+
+
+@dataclass
+class _Outbound:
+    peer: str
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    first_token: int
+    plans: list[ChunkPlan]
+    metrics: TransferMetrics
+    t0: float
+    attempt: int = 0
+    session: SenderSession | None = None
+    sent_layers: set[int] = field(default_factory=set)
+    # A retryable verdict seen mid-stream: stop sending this attempt, retry at finish().
+    broken: KVTransferError | None = None
+    aborted: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class KVTransport(ABC):
+    """Moves a request's KV blocks from a prefill worker's cache into a decode worker's cache.
+
+    Sending side::
+
+        t.send(peer, request_id, block_ids, num_tokens, first_token)   # all at once, or:
+        t.begin_send(peer, ...); t.send_layer(request_id, i) as layers are written; t.finish(request_id)
+
+    The transport takes ownership of ``block_ids``: they are freed when the receiver acknowledges,
+    when the transfer fails for good (``KVTransferError``: recompute), on abort, or when the lease
+    expires. Receiving side: ``address = t.serve()``; ``t.receive(timeout)`` returns
+    :class:`ReceivedKV` whose blocks the decode worker then owns. ``t.abort(request_id)`` frees the
+    request on this side and tells the peer, in flight or not.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        cache: KVCache,
+        allocator: BlockAllocator,
+        config: TransferConfig | None = None,
+        *,
+        lock: threading.RLock | None = None,
+        faults: FaultInjector | None = None,
+    ) -> None:
+        self.cache = cache
+        self.allocator = allocator
+        self.config = config or TransferConfig()
+        self.lock = lock or threading.RLock()
+        self.receiver = KVReceiver(cache, allocator, self.config, self.lock)
+        self.leases = LeaseTable(allocator, self.config.lease_ttl_s, self.lock)
+        self.faults = faults or FaultInjector()
+        self._outbound: dict[str, _Outbound] = {}
+        self._metrics: deque[TransferMetrics] = deque(maxlen=1024)
+        self._totals = {"transfers_ok": 0, "transfers_failed": 0, "bytes_sent": 0, "retries": 0}
+        self._closed = threading.Event()
+        self._reaper: threading.Thread | None = None
+        self.address: str | None = None
+
+    # -- backend hooks ----------------------------------------------------------------------------
+    @abstractmethod
+    def _serve(self) -> str: ...
+
+    @abstractmethod
+    def _connect(self, peer: str, hs: Handshake) -> tuple[HandshakeResult, SenderSession | None]: ...
+
+    @abstractmethod
+    def _abort_remote(self, peer: str, request_id: str, reason: str) -> None: ...
+
+    def _shutdown(self) -> None:
+        """Release backend resources (servers, channels)."""
+
+    # -- receiving --------------------------------------------------------------------------------
+    def serve(self) -> str:
+        """Start receiving; returns the address senders pass as ``peer``."""
+        if self.address is None:
+            self.address = self._serve()
+            self._start_reaper()
+        return self.address
+
+    def receive(self, timeout: float | None = None) -> ReceivedKV | None:
+        return self.receiver.take(timeout)
+
+    # -- sending ----------------------------------------------------------------------------------
+    def send(
+        self, peer: str, request_id: str, block_ids: Sequence[int], num_tokens: int, first_token: int
+    ) -> TransferMetrics:
+        self.begin_send(peer, request_id, block_ids, num_tokens, first_token)
+        return self.finish(request_id)
+
+    def begin_send(
+        self, peer: str, request_id: str, block_ids: Sequence[int], num_tokens: int, first_token: int
+    ) -> None:
+        """Lease the blocks and handshake; raises KVTransferError (FULL, MISMATCH, ...) with the
+        blocks freed. Layers then go with :meth:`send_layer`, the rest with :meth:`finish`."""
+        spec = self.cache.spec
+        need = spec.blocks_for_tokens(num_tokens) if num_tokens > 0 else 0
+        if num_tokens <= 0 or len(block_ids) != need:
+            raise ValueError(
+                f"send {request_id!r}: {len(block_ids)} blocks for {num_tokens} tokens, expected {need}"
+            )
+        self._start_reaper()
+        self.leases.grant(request_id, list(block_ids))
+        plans = plan_chunks(spec, len(block_ids), self.config.chunk_bytes)
+        out = _Outbound(
+            peer,
+            request_id,
+            list(block_ids),
+            num_tokens,
+            first_token,
+            plans,
+            TransferMetrics(request_id, self.name, peer, num_tokens),
+            time.perf_counter(),
+        )
+        with self.lock:
+            self._outbound[request_id] = out
+        try:
+            self._open_attempt(out)
+        except BaseException as e:
+            self._end(out, e if isinstance(e, KVTransferError) else None)
+            raise
+
+    def _open_attempt(self, out: _Outbound) -> None:
+        out.attempt += 1
+        out.metrics.attempts = out.attempt
+        out.broken = None
+        out.sent_layers = set()
+        hs = Handshake(
+            request_id=out.request_id,
+            fingerprint=self.cache.spec.fingerprint(),
+            sender_block_size=self.cache.spec.block_size,
+            num_tokens=out.num_tokens,
+            first_token=out.first_token,
+            num_chunks=len(out.plans),
+            attempt=out.attempt,
+            num_streams=self.config.num_streams,
+        )
+        result, session = self._busy(out, lambda: self._connect(out.peer, hs))
+        if result.status is not TransferStatus.OK or session is None:
+            raise KVTransferError(result.status, result.detail, out.request_id)
+        out.session = session
+
+    def _busy(self, out: _Outbound, fn):
+        lease = self.leases.get(out.request_id)
+        if lease is None:
+            raise KVTransferError(TransferStatus.ABORTED, out.aborted or "lease expired", out.request_id)
+        lease.busy += 1
+        try:
+            return fn()
+        finally:
+            lease.busy -= 1
+
+    def send_layer(self, request_id: str, layer: int) -> None:
+        """Send every chunk of ``layer`` now (call when the layer's K/V are written)."""
+        out = self._get_out(request_id)
+        with out.lock:
+            self._send_layer(out, layer)
+
+    def _send_layer(self, out: _Outbound, layer: int) -> None:
+        if layer in out.sent_layers or out.broken is not None:
+            return
+        out.sent_layers.add(layer)
+        session = out.session
+        assert session is not None
+        for plan in out.plans:
+            if plan.layer != layer:
+                continue
+            if out.aborted is not None:
+                raise KVTransferError(TransferStatus.ABORTED, out.aborted, out.request_id)
+            if self.faults.drop(out.attempt, plan.seq, len(out.plans)):
+                continue
+            views = chunk_views(self.cache, out.block_ids, plan)
+            info = chunk_info(out.request_id, plan, views)
+            views = self.faults.views(out.attempt, plan.seq, views)
+            if self.faults.chunk_delay_s:
+                time.sleep(self.faults.chunk_delay_s)
+            try:
+                self._busy(out, lambda s=session, p=plan, iv=(info, views): s.send_chunk(p, iv))
+            except KVTransferError as e:
+                if e.status.retryable:
+                    out.broken = e  # the receiver has dropped this attempt; finish() retries
+                    return
+                raise
+            out.metrics.chunks += 1
+            out.metrics.bytes += info.nbytes
+
+    def finish(self, request_id: str) -> TransferMetrics:
+        """Send the layers not yet sent, wait for the acknowledgement (retrying a damaged transfer up
+        to ``max_retries`` times) and free the sender's blocks. Raises KVTransferError on failure."""
+        out = self._get_out(request_id)
+        error: KVTransferError | None = None
+        try:
+            with out.lock:
+                while True:
+                    for layer in range(self.cache.spec.num_layers):
+                        self._send_layer(out, layer)
+                    session = out.session
+                    assert session is not None
+                    if out.broken is not None:
+                        session.cancel()
+                        status, detail = out.broken.status, out.broken.detail
+                    else:
+                        status, detail = self._busy(out, session.finish)
+                    if status is TransferStatus.OK:
+                        break
+                    if status.retryable and out.attempt <= self.config.max_retries and out.aborted is None:
+                        log.warning(
+                            "kv send %s attempt %d: %s (%s); retrying",
+                            request_id,
+                            out.attempt,
+                            status.value,
+                            detail,
+                        )
+                        self._totals["retries"] += 1
+                        self._open_attempt(out)
+                        continue
+                    raise KVTransferError(status, detail, request_id)
+        except KVTransferError as e:
+            error = e
+            raise
+        except BaseException:
+            error = KVTransferError(TransferStatus.UNAVAILABLE, "sender error", request_id)
+            raise
+        finally:
+            self._end(out, error)
+        return out.metrics
+
+    def _get_out(self, request_id: str) -> _Outbound:
+        with self.lock:
+            out = self._outbound.get(request_id)
+        if out is None:
+            raise KVTransferError(TransferStatus.UNKNOWN, "no send in progress", request_id)
+        return out
+
+    def _end(self, out: _Outbound, error: KVTransferError | None) -> None:
+        if error is not None and out.session is not None:
+            out.session.cancel()
+        with self.lock:
+            self._outbound.pop(out.request_id, None)
+        self.leases.release(out.request_id)
+        m = out.metrics
+        m.latency_s = time.perf_counter() - out.t0
+        m.status = TransferStatus.OK.value if error is None else error.status.value
+        self._metrics.append(m)
+        self._totals["transfers_ok" if error is None else "transfers_failed"] += 1
+        self._totals["bytes_sent"] += m.bytes if error is None else 0
+
+    # -- abort ------------------------------------------------------------------------------------
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        """Cancel ``request_id`` on this side (sending or receiving) and tell the peer. Frees this
+        side's blocks; a send in progress raises KVTransferError(ABORTED) in its caller."""
+        found = self.receiver.abort(request_id, reason)
+        with self.lock:
+            out = self._outbound.get(request_id)
+        if out is not None:
+            found = True
+            out.aborted = reason
+            try:
+                self._abort_remote(out.peer, request_id, reason)
+            except Exception as e:  # the peer also expires it on its own
+                log.warning("kv abort of %s not delivered to %s: %s", request_id, out.peer, e)
+            if out.session is not None:
+                out.session.cancel()
+            # Free now, even if the sending thread is still unwinding; _end() finds nothing to free.
+            self.leases.release(request_id)
+        return found
+
+    # -- housekeeping -----------------------------------------------------------------------------
+    def _start_reaper(self) -> None:
+        with self.lock:
+            if self._reaper is None:
+                self._reaper = threading.Thread(
+                    target=self._reap_loop, name=f"kv-reaper-{self.name}", daemon=True
+                )
+                self._reaper.start()
+
+    def _reap_loop(self) -> None:
+        while not self._closed.wait(self.config.reap_interval_s):
+            self.reap()
+
+    def reap(self) -> None:
+        for rid in self.leases.expire():
+            with self.lock:
+                out = self._outbound.get(rid)
+            if out is not None:
+                out.aborted = "lease expired"
+                try:
+                    self._abort_remote(out.peer, rid, "sender lease expired")
+                except Exception:
+                    pass
+        self.receiver.expire()
+
+    def metrics(self) -> list[dict]:
+        """Recent per-transfer metrics (newest last), plain dicts for the monitor."""
+        return [m.as_dict() for m in list(self._metrics)]
+
+    def stats(self) -> dict:
+        return {
+            "backend": self.name,
+            **self._totals,
+            "leases": len(self.leases),
+            "sending": len(self._outbound),
+            **self.receiver.stats(),
+        }
+
+    def close(self) -> None:
+        self._closed.set()
+        self._shutdown()
+        if self._reaper is not None:
+            self._reaper.join(timeout=2)
+
+    def __enter__(self) -> KVTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,96 @@
+"""Typed, frozen configuration of the KV transfer components; every check names the offending field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not value > 0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Settings shared by both sides of every backend (fields a backend does not use are ignored)."""
+
+    # Target payload of one chunk: big enough to amortise per-message costs, small enough that a
+    # 16K-token prompt never becomes one huge message and the receiver can write while bytes arrive.
+    chunk_bytes: int = 4 << 20
+    # How many times a transfer rejected for a bad checksum or truncation is re-sent before the
+    # sender gives up and reports it for recompute.
+    max_retries: int = 1
+    # The sender frees leased blocks after this long without an acknowledgement.
+    lease_ttl_s: float = 60.0
+    # Deadline of every RPC (handshake, each transfer stream, abort, stats).
+    rpc_timeout_s: float = 30.0
+    # The receiver frees a transfer that made no progress for this long (sender died mid-way), and a
+    # received transfer that the decode worker did not take.
+    receive_timeout_s: float = 60.0
+    # How often leases and stale receives are swept.
+    reap_interval_s: float = 0.5
+    # Parallel gRPC streams per transfer.
+    num_streams: int = 1
+    # Chunks a sender may have queued but not yet handed to the transport (bounded memory).
+    max_inflight_chunks: int = 4
+    verify_checksums: bool = True
+    # Optional shared secret: the receiver refuses requests without it.
+    auth_token: str | None = None
+    # TLS when both are set (server); tls_ca_file alone is enough for a client.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None
+    # Same-node fast path: use shared memory when the peer reports the same node id.
+    same_node_fast_path: bool = True
+    # Size of the sender's shared-memory ring (bounded staging for the fast path).
+    shm_ring_bytes: int = 64 << 20
+    # Largest gRPC message accepted; must exceed chunk_bytes plus header.
+    max_message_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        _positive(
+            self,
+            "chunk_bytes",
+            "lease_ttl_s",
+            "rpc_timeout_s",
+            "receive_timeout_s",
+            "reap_interval_s",
+            "num_streams",
+            "max_inflight_chunks",
+            "shm_ring_bytes",
+            "max_message_bytes",
+        )
+        if self.max_retries < 0:
+            raise ValueError(f"TransferConfig.max_retries must be >= 0, got {self.max_retries}")
+        if self.max_message_bytes < self.chunk_bytes + 4096:
+            raise ValueError(
+                f"TransferConfig.max_message_bytes ({self.max_message_bytes}) must exceed chunk_bytes "
+                f"({self.chunk_bytes}) plus a header"
+            )
+        if self.shm_ring_bytes < self.chunk_bytes:
+            raise ValueError(
+                f"TransferConfig.shm_ring_bytes ({self.shm_ring_bytes}) must hold one chunk ({self.chunk_bytes})"
+            )
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("TransferConfig.tls_cert_file and tls_key_file must be set together")
+        for name in ("tls_cert_file", "tls_key_file", "tls_ca_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"TransferConfig.{name}: no such file {path!r}")
+        if self.auth_token is not None and not self.auth_token:
+            raise ValueError("TransferConfig.auth_token must be non-empty when set")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> TransferConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"TransferConfig: unknown field(s) {unknown}")
+        return cls(**values)
+
+    @property
+    def tls_enabled(self) -> bool:
+        return self.tls_cert_file is not None or self.tls_ca_file is not None

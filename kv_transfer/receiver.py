@@ -1,0 +1,274 @@
+"""Receiving side of every backend: handshake checks, block allocation, verified writes into the
+paged cache (re-blocking when the sender's block size differs), completion, abort and expiry.
+
+Backends only move bytes; this class owns every decision about the receiver's blocks, so the
+no-leak invariant (``free + used == total``) is kept in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_allocator import BlockAllocator, NoFreeBlocksError
+from engine.kv_cache import KVCache
+
+from .config import TransferConfig
+from .types import ChunkInfo, Handshake, HandshakeResult, KVTransferError, ReceivedKV, TransferStatus
+from .wire import _runs, payload_tensor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Inbound:
+    hs: Handshake
+    block_ids: list[int]
+    # dst flat slot of every token, only when the two block sizes differ: [num_tokens]
+    slot_map: torch.Tensor | None
+    started: float
+    last_activity: float
+    received: set[int] = field(default_factory=set)
+    bytes: int = 0
+    streams_done: int = 0
+    closed: bool = False
+    writers: int = 0
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+
+class KVReceiver:
+    """Receive-side state of one worker. Thread-safe: transport threads call it concurrently."""
+
+    def __init__(
+        self,
+        cache: KVCache,
+        allocator: BlockAllocator,
+        config: TransferConfig,
+        lock: threading.RLock | None = None,
+    ) -> None:
+        self.cache = cache
+        self.allocator = allocator
+        self.config = config
+        # Shared with the worker that owns the allocator, so allocations never race.
+        self.lock = lock or threading.RLock()
+        self._inbound: dict[str, _Inbound] = {}
+        self._done: dict[str, tuple[_Inbound, float]] = {}
+        self._ready: queue.Queue[str] = queue.Queue()
+        # Recently aborted ids, so a late chunk is answered ABORTED rather than UNKNOWN (bounded).
+        self._aborted: OrderedDict[str, str] = OrderedDict()
+
+    # -- handshake -------------------------------------------------------------------------------
+    def handshake(self, hs: Handshake) -> HandshakeResult:
+        spec = self.cache.spec
+        try:
+            hs.validate()
+        except ValueError as e:
+            return HandshakeResult(TransferStatus.INVALID, spec.block_size, detail=str(e))
+        mine = spec.fingerprint()
+        if dict(hs.fingerprint) != mine:
+            diff = sorted(k for k in set(mine) | set(hs.fingerprint) if mine.get(k) != hs.fingerprint.get(k))
+            return HandshakeResult(
+                TransferStatus.MISMATCH, spec.block_size, detail=f"model fingerprint differs in {diff}"
+            )
+        need = spec.blocks_for_tokens(hs.num_tokens)
+        with self.lock:
+            old = self._inbound.get(hs.request_id)
+            if old is not None and hs.attempt <= old.hs.attempt or hs.request_id in self._done:
+                return HandshakeResult(TransferStatus.DUPLICATE, spec.block_size, detail="already in flight")
+            self._aborted.pop(hs.request_id, None)
+        if old is not None:
+            # A retry replaces the failed attempt: free what it had.
+            self._close(hs.request_id, TransferStatus.ABORTED, "superseded by a retry")
+        with self.lock:
+            try:
+                ids = self.allocator.allocate(need)
+            except NoFreeBlocksError:
+                free = self.allocator.num_free
+                log.info("kv receive %s refused: needs %d blocks, %d free", hs.request_id, need, free)
+                return HandshakeResult(
+                    TransferStatus.FULL, spec.block_size, need, free, f"needs {need} blocks, {free} free"
+                )
+            now = time.monotonic()
+            self._inbound[hs.request_id] = _Inbound(hs, ids, self._slot_map(hs, ids), now, now)
+            return HandshakeResult(TransferStatus.OK, spec.block_size, need, self.allocator.num_free)
+
+    def _slot_map(self, hs: Handshake, ids: list[int]) -> torch.Tensor | None:
+        bs = self.cache.spec.block_size
+        if hs.sender_block_size == bs:
+            return None
+        t = torch.arange(hs.num_tokens, device=self.cache.device)  # [num_tokens]
+        blocks = torch.as_tensor(ids, dtype=torch.long, device=self.cache.device)
+        return blocks[t // bs] * bs + t % bs  # [num_tokens] flat slot ids
+
+    # -- chunks ----------------------------------------------------------------------------------
+    def _get(self, request_id: str) -> _Inbound:
+        with self.lock:
+            inb = self._inbound.get(request_id)
+            if inb is None:
+                status = TransferStatus.ABORTED if request_id in self._aborted else TransferStatus.UNKNOWN
+                raise KVTransferError(
+                    status, self._aborted.get(request_id, "no transfer in flight"), request_id
+                )
+            return inb
+
+    def write(self, info: ChunkInfo, payload: memoryview | bytes | torch.Tensor) -> None:
+        """Verify one chunk and copy it into this request's blocks. Raises KVTransferError (and frees
+        the request's blocks) when the chunk is bad; the sender may retry with a new handshake."""
+        inb = self._get(info.request_id)
+        hs = inb.hs
+        spec = self.cache.spec
+        nblocks_src = -(-hs.num_tokens // hs.sender_block_size)
+        bad = None
+        if not (0 <= info.seq < hs.num_chunks and 0 <= info.layer < spec.num_layers and info.kv in (0, 1)):
+            bad = f"chunk seq {info.seq} layer {info.layer} kv {info.kv} out of range"
+        elif info.num_blocks <= 0 or info.first_block + info.num_blocks > nblocks_src:
+            bad = f"chunk blocks {info.first_block}+{info.num_blocks} exceed {nblocks_src}"
+        if bad:
+            self._close(info.request_id, TransferStatus.INVALID, bad)
+            raise KVTransferError(TransferStatus.INVALID, bad, info.request_id)
+        if isinstance(payload, torch.Tensor):
+            src = payload.view(info.num_blocks, hs.sender_block_size, spec.num_kv_heads, spec.head_dim)
+        else:
+            if self.config.verify_checksums and zlib.crc32(payload) != info.crc32:
+                detail = f"chunk {info.seq} (layer {info.layer}) checksum mismatch"
+                self._close(info.request_id, TransferStatus.CHECKSUM, detail)
+                raise KVTransferError(TransferStatus.CHECKSUM, detail, info.request_id)
+            try:
+                src = payload_tensor(spec, payload, info.num_blocks, hs.sender_block_size)
+            except ValueError as e:
+                self._close(info.request_id, TransferStatus.TRUNCATED, str(e))
+                raise KVTransferError(TransferStatus.TRUNCATED, str(e), info.request_id) from None
+        with inb.cond:
+            if inb.closed:
+                raise KVTransferError(TransferStatus.ABORTED, "aborted", info.request_id)
+            inb.writers += 1
+        try:
+            self._copy_in(inb, info, src)
+        finally:
+            with inb.cond:
+                inb.writers -= 1
+                inb.received.add(info.seq)
+                inb.bytes += info.nbytes
+                inb.last_activity = time.monotonic()
+                inb.cond.notify_all()
+
+    def _copy_in(self, inb: _Inbound, info: ChunkInfo, src: torch.Tensor) -> None:
+        # src: [n, sender_block_size, KVH, D]
+        src = src.to(self.cache.device)
+        layer_kv = self.cache.data[info.layer, info.kv]  # [num_blocks + 1, block_size, KVH, D]
+        if inb.slot_map is None:
+            ids = inb.block_ids[info.first_block : info.first_block + info.num_blocks]
+            pos = 0
+            for start, n in _runs(ids):
+                layer_kv[start : start + n].copy_(src[pos : pos + n])
+                pos += n
+            return
+        # Re-block: token t of the request goes to slot slot_map[t] whatever the two block sizes.
+        bs_src = inb.hs.sender_block_size
+        tok0 = info.first_block * bs_src
+        tok1 = min(tok0 + info.num_blocks * bs_src, inb.hs.num_tokens)
+        tokens = src.reshape(-1, src.shape[-2], src.shape[-1])[: tok1 - tok0]  # [tokens, KVH, D]
+        self.cache.flat_slots(info.layer, info.kv).index_copy_(0, inb.slot_map[tok0:tok1], tokens)
+
+    def end_stream(self, request_id: str) -> tuple[TransferStatus, bool, str]:
+        """One transfer stream ended. Returns (status, final, detail); final is False while other
+        parallel streams of the request are still running."""
+        inb = self._get(request_id)
+        with inb.cond:
+            inb.streams_done += 1
+            if inb.streams_done < inb.hs.num_streams:
+                return TransferStatus.OK, False, ""
+            inb.cond.wait_for(lambda: inb.writers == 0, timeout=self.config.rpc_timeout_s)
+            missing = inb.hs.num_chunks - len(inb.received)
+        if missing:
+            detail = f"{missing} of {inb.hs.num_chunks} chunks missing"
+            self._close(request_id, TransferStatus.TRUNCATED, detail)
+            return TransferStatus.TRUNCATED, True, detail
+        with self.lock:
+            if self._inbound.pop(request_id, None) is None:
+                return TransferStatus.ABORTED, True, "aborted"
+            self._done[request_id] = (inb, time.monotonic())
+        self._ready.put(request_id)
+        return TransferStatus.OK, True, ""
+
+    # -- handing over, abort, expiry ------------------------------------------------------------
+    def take(self, timeout: float | None = None) -> ReceivedKV | None:
+        """Next completed transfer; the caller now owns its blocks (and frees them when done)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                rid = self._ready.get(timeout=left)
+            except queue.Empty:
+                return None
+            with self.lock:
+                item = self._done.pop(rid, None)
+            if item is not None:  # else aborted or expired after it completed
+                inb, _ = item
+                return ReceivedKV(
+                    rid,
+                    inb.block_ids,
+                    inb.hs.num_tokens,
+                    inb.hs.first_token,
+                    inb.bytes,
+                    time.monotonic() - inb.started,
+                )
+
+    def _close(self, request_id: str, status: TransferStatus, reason: str) -> bool:
+        with self.lock:
+            inb = self._inbound.pop(request_id, None)
+            done = self._done.pop(request_id, None)
+            if inb is None and done is not None:
+                inb = done[0]
+            if inb is None:
+                return False
+            if status is TransferStatus.ABORTED:
+                self._aborted[request_id] = reason or "aborted"
+                while len(self._aborted) > 4096:
+                    self._aborted.popitem(last=False)
+        with inb.cond:
+            inb.closed = True
+            # A copy into these blocks may be running on another thread: free only after it ends.
+            inb.cond.wait_for(lambda: inb.writers == 0)
+        with self.lock:
+            self.allocator.free(inb.block_ids)
+        log.info("kv receive %s closed (%s): %s", request_id, status.value, reason)
+        return True
+
+    def abort(self, request_id: str, reason: str = "") -> bool:
+        """Free whatever this request holds here (in flight or received but not taken)."""
+        return self._close(request_id, TransferStatus.ABORTED, reason)
+
+    def fail(self, request_id: str, status: TransferStatus, reason: str) -> bool:
+        return self._close(request_id, status, reason)
+
+    def expire(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        ttl = self.config.receive_timeout_s
+        with self.lock:
+            stale = [r for r, inb in self._inbound.items() if now - inb.last_activity > ttl]
+            stale += [r for r, (_, t) in self._done.items() if now - t > ttl]
+        for rid in stale:
+            self._close(rid, TransferStatus.TIMEOUT, f"no progress for {ttl}s")
+        return stale
+
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            return {
+                "total_blocks": self.allocator.num_blocks,
+                "free_blocks": self.allocator.num_free,
+                "used_blocks": self.allocator.num_used,
+                "in_flight": len(self._inbound),
+                "received_not_taken": len(self._done),
+            }
+
+    def is_idle(self) -> bool:
+        with self.lock:
+            return not self._inbound and not self._done

@@ -232,3 +232,12 @@ def decode_histograms(totals: Mapping[str, float]) -> dict[tuple[str, str], Hist
         counts = tuple(parts.get(str(i), 0.0) for i in range(len(bounds) + 1))
         out[(hist, label)] = Histogram(bounds, counts, parts.get("hs", 0.0), parts.get("hc", 0.0))
     return out
+
+
+def aggregate(slots: list[SeriesSlot]) -> dict[str, ClassSlot]:
+    """Per-class sums (sketches merged) over a run of slots."""
+    out = {c: ClassSlot() for c in PRIORITY_CLASSES}
+    for slot in slots:
+        for name, cls in slot.classes.items():
+            out.setdefault(name, ClassSlot()).merge(cls)
+    return out

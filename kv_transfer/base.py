@@ -8,6 +8,7 @@ All decisions about blocks live here and in :class:`KVReceiver`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -93,6 +94,9 @@ class FaultInjector:
 class SenderSession(ABC):
     """One accepted attempt of one transfer: moves chunks to the peer, then asks for its verdict."""
 
+    # The way the bytes go (reported in metrics): a backend may pick among several per peer.
+    path: ClassVar[str] = ""
+
     @abstractmethod
     def send_chunk(self, plan: ChunkPlan, info_views: tuple) -> None:
         """Send one chunk ((ChunkInfo, views)); raise KVTransferError when the peer has ended the
@@ -176,7 +180,7 @@ class KVTransport(ABC):
     @abstractmethod
     def _abort_remote(self, peer: str, request_id: str, reason: str) -> None: ...
 
-    def _shutdown(self) -> None:
+    def _shutdown(self) -> None:  # noqa: B027  (optional hook: most backends hold nothing)
         """Release backend resources (servers, channels)."""
 
     # -- receiving --------------------------------------------------------------------------------
@@ -248,6 +252,7 @@ class KVTransport(ABC):
         if result.status is not TransferStatus.OK or session is None:
             raise KVTransferError(result.status, result.detail, out.request_id)
         out.session = session
+        out.metrics.backend = session.path or self.name
 
     def _busy(self, out: _Outbound, fn):
         lease = self.leases.get(out.request_id)
@@ -393,10 +398,8 @@ class KVTransport(ABC):
                 out = self._outbound.get(rid)
             if out is not None:
                 out.aborted = "lease expired"
-                try:
+                with contextlib.suppress(Exception):
                     self._abort_remote(out.peer, rid, "sender lease expired")
-                except Exception:
-                    pass
         self.receiver.expire()
 
     def metrics(self) -> list[dict]:

@@ -17,9 +17,8 @@ PROTO_DIR = Path(__file__).resolve().parent
 
 def generate(out_dir: Path = PROTO_DIR) -> list[Path]:
     """Write ``*_pb2.py``, ``*_pb2.pyi`` and ``*_pb2_grpc.py`` for each .proto into ``out_dir``."""
-    from grpc_tools import protoc  # dev dependency: only needed to regenerate
-
     import grpc_tools
+    from grpc_tools import protoc  # dev dependency: only needed to regenerate
 
     out_dir.mkdir(parents=True, exist_ok=True)
     include = str(Path(grpc_tools.__file__).resolve().parent / "_proto")

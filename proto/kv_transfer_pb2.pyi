@@ -149,19 +149,23 @@ class AbortReply(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("shm_probe",)
+    SHM_PROBE_FIELD_NUMBER: _ClassVar[int]
+    shm_probe: str
+    def __init__(self, shm_probe: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("total_blocks", "free_blocks", "used_blocks", "in_flight", "node_id")
+    __slots__ = ("total_blocks", "free_blocks", "used_blocks", "in_flight", "node_id", "shm_ok")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_OK_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     free_blocks: int
     used_blocks: int
     in_flight: int
     node_id: str
-    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+    shm_ok: bool
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ..., node_id: _Optional[str] = ..., shm_ok: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,141 @@
+"""Forming one prefill batch: a pure function of the queue, the warmed shapes, the memory figures and the policy.
+
+:func:`plan_batch` picks a request bucket (the one holding the most urgent online request, or offline work when
+the starvation guard says it is due), then takes that bucket's requests in priority order while the batch still
+
+* fits the safe KV blocks of its prefill worker and of its decode worker,
+* stays within ``max_num_batched_tokens`` real tokens and the largest warmed prefill batch size, and
+* pads onto a warmed prompt shape.
+
+It stops at the first request that does not fit rather than skipping it, so the head of the order is never
+overtaken and cannot starve. If the first request alone does not fit the memory, there is no plan (wait for
+memory). If it alone is above every warmed shape, it is planned alone with ``shape=None``: the runner runs it
+unpadded and counts a compilation. The plan names the requests; the caller removes them from the queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import chain
+
+from bucket_manager.memory_budget import MemoryBudget
+from bucket_manager.priority import PriorityPolicy
+from bucket_manager.request import PriorityClass, RequestSummary
+from bucket_manager.request_buckets import RequestBuckets
+from bucket_manager.shape_buckets import Bucket, ShapeBuckets
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    request_ids: tuple[str, ...]
+    priority_class: PriorityClass  # the class that chose the bucket
+    request_bucket: int
+    shape: Bucket | None  # the warmed prompt shape; None: above every shape, runs unpadded
+    real_tokens: int
+    padded_tokens: int  # shape tokens (batch x query) minus real tokens; 0 when unpadded
+    prefill_blocks: int
+    decode_blocks: int
+    by_guard: bool = False  # offline work served by the starvation guard ahead of online work
+
+    @property
+    def padding_ratio(self) -> float:
+        return self.padded_tokens / self.real_tokens if self.real_tokens else 0.0
+
+
+def _choose_bucket(
+    queue: RequestBuckets, policy: PriorityPolicy, now: float, online_streak: int
+) -> tuple[PriorityClass, int, RequestSummary | None, bool] | None:
+    """(class, bucket index, request to put first, chosen by the guard) or None when nothing is queued."""
+    oldest_offline = queue.oldest(PriorityClass.OFFLINE)
+    due = policy.offline_is_due(
+        None if oldest_offline is None else oldest_offline.arrival, now, online_streak
+    )
+    if not due:
+        online = _most_urgent(queue, PriorityClass.ONLINE)
+        if online is not None:
+            return PriorityClass.ONLINE, online, None, False
+    if oldest_offline is None:
+        return None
+    if due and policy.starvation_guard == "aging":
+        return PriorityClass.OFFLINE, queue.bucket_index(oldest_offline.prompt_len), oldest_offline, True
+    index = _most_urgent(queue, PriorityClass.OFFLINE)
+    assert index is not None  # an offline request exists
+    return PriorityClass.OFFLINE, index, None, due
+
+
+def _most_urgent(queue: RequestBuckets, cls: PriorityClass) -> int | None:
+    best = None
+    for i in range(queue.num_buckets):
+        head = queue.head(i, cls)
+        if head is not None and (best is None or head[0] < best[0]):
+            best = (head[0], i)
+    return None if best is None else best[1]
+
+
+def _candidates(
+    queue: RequestBuckets,
+    index: int,
+    cls: PriorityClass,
+    first: RequestSummary | None,
+    policy: PriorityPolicy,
+) -> Iterator[RequestSummary]:
+    own = queue.ordered(index, cls)
+    if first is not None:
+        own = chain([first], (r for r in own if r.request_id != first.request_id))
+    if not policy.fill_with_other_class:
+        return own
+    other = PriorityClass.OFFLINE if cls is PriorityClass.ONLINE else PriorityClass.ONLINE
+    return chain(own, queue.ordered(index, other))
+
+
+def plan_batch(
+    queue: RequestBuckets,
+    shapes: ShapeBuckets,
+    budget: MemoryBudget,
+    policy: PriorityPolicy,
+    now: float,
+    online_streak: int = 0,
+) -> BatchPlan | None:
+    """The next prefill batch, or None when the queue is empty or its first request does not fit the memory.
+
+    ``now`` is on the clock of the requests' ``arrival``; ``online_streak`` counts online batches since the
+    last offline one (used by the ``share`` guard).
+    """
+    choice = _choose_bucket(queue, policy, now, online_streak)
+    if choice is None:
+        return None
+    cls, index, first, by_guard = choice
+    largest = shapes.max_prompt_batch_size
+    ids: list[str] = []
+    tokens = longest = prefill_blocks = decode_blocks = 0
+    shape: Bucket | None = None
+    for request in _candidates(queue, index, cls, first, policy):
+        count = len(ids) + 1
+        new_tokens = tokens + request.prompt_len
+        new_prefill = prefill_blocks + budget.prefill_need(request.prompt_len)
+        new_decode = decode_blocks + budget.decode_need(request.prompt_len, request.max_tokens)
+        if new_prefill > budget.prefill_blocks or new_decode > budget.decode_blocks:
+            break
+        new_longest = max(longest, request.prompt_len)
+        new_shape = shapes.find_prompt(count, new_longest, 0)
+        fits = count <= largest and new_tokens <= budget.max_num_batched_tokens and new_shape is not None
+        if not fits:
+            if ids:
+                break
+            # Alone and above every warmed shape: it can only run unpadded.
+            return BatchPlan(
+                (request.request_id,), cls, index, None, new_tokens, 0, new_prefill, new_decode, by_guard
+            )
+        ids.append(request.request_id)
+        tokens, longest, prefill_blocks, decode_blocks, shape = (
+            new_tokens,
+            new_longest,
+            new_prefill,
+            new_decode,
+            new_shape,
+        )
+    if not ids or shape is None:
+        return None
+    padded = shape[0] * shape[1] - tokens
+    return BatchPlan(tuple(ids), cls, index, shape, tokens, padded, prefill_blocks, decode_blocks, by_guard)

@@ -1,0 +1,71 @@
+"""Priority policies: the order of requests inside a class, and how offline work is kept from starving.
+
+Online requests come first: the batch is built from the request bucket holding the most urgent online
+request (earliest arrival by default, or earliest TTFT deadline). Offline requests are ordered shortest job
+first (most requests per second) or longest job first (most tokens per second). Because online work always
+wins, offline work needs a guard: ``aging`` serves the oldest offline request first once it has waited
+``max_offline_wait_s``; ``share`` gives offline work one batch after every ``online_batches_per_offline``
+online batches while both are queued. The integer ``priority`` of a request (smaller first) comes before all
+of these inside its class.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from bucket_manager.request import PriorityClass, RequestSummary
+
+ONLINE_ORDERS = ("arrival", "deadline")
+OFFLINE_ORDERS = ("sjf", "ljf")
+GUARDS = ("aging", "share", "none")
+
+Key = tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class PriorityPolicy:
+    online_order: str = "arrival"
+    offline_order: str = "sjf"
+    starvation_guard: str = "aging"
+    max_offline_wait_s: float = 30.0
+    online_batches_per_offline: int = 4
+    # Fill room left in a batch with the other class's requests from the same bucket: same padded shape,
+    # so they ride along almost for free.
+    fill_with_other_class: bool = True
+
+    def __post_init__(self) -> None:
+        if self.online_order not in ONLINE_ORDERS:
+            raise ValueError(f"online_order must be one of {ONLINE_ORDERS}, got {self.online_order!r}")
+        if self.offline_order not in OFFLINE_ORDERS:
+            raise ValueError(f"offline_order must be one of {OFFLINE_ORDERS}, got {self.offline_order!r}")
+        if self.starvation_guard not in GUARDS:
+            raise ValueError(f"starvation_guard must be one of {GUARDS}, got {self.starvation_guard!r}")
+        if not (self.max_offline_wait_s >= 0 and math.isfinite(self.max_offline_wait_s)):
+            raise ValueError(
+                f"max_offline_wait_s must be a finite number >= 0, got {self.max_offline_wait_s!r}"
+            )
+        if not isinstance(self.online_batches_per_offline, int) or self.online_batches_per_offline < 1:
+            raise ValueError(
+                f"online_batches_per_offline must be an int >= 1, got {self.online_batches_per_offline!r}"
+            )
+
+    def key(self, request: RequestSummary) -> Key:
+        """Sort key inside the request's class: smaller is served first. Arrival breaks the remaining ties."""
+        if request.priority_class is PriorityClass.ONLINE:
+            if self.online_order == "deadline":
+                return (request.priority, request.ttft_deadline, request.arrival)
+            return (request.priority, request.arrival)
+        length = request.prompt_len if self.offline_order == "sjf" else -request.prompt_len
+        return (request.priority, length, request.arrival)
+
+    def offline_is_due(self, oldest_offline_arrival: float | None, now: float, online_streak: int) -> bool:
+        """Whether offline work goes before queued online work now. ``online_streak``: online batches
+        formed since the last offline one."""
+        if oldest_offline_arrival is None:
+            return False
+        if self.starvation_guard == "aging":
+            return now - oldest_offline_arrival >= self.max_offline_wait_s
+        if self.starvation_guard == "share":
+            return online_streak >= self.online_batches_per_offline
+        return False

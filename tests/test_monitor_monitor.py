@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -179,3 +181,15 @@ def test_records_pickle_and_json_round_trip() -> None:
         assert type(rec).from_dict(json.loads(json.dumps(rec.to_dict()))) == rec
     assert RequestRecord.from_dict({**request("r").to_dict(), "added_later": 1}) == request("r")
     assert WorkerStats.from_dict(worker().to_dict()).kv_usage == 0.25
+
+
+def test_monitor_imports_nothing_else_of_ours() -> None:
+    code = (
+        "import sys, monitor, monitor.metrics, monitor.redis_store, monitor.dashboard; "
+        "ours = {'engine', 'gateway', 'prefill_worker', 'decode_worker', 'kv_transfer', 'bucket_manager', 'proto', 'bench'}; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ours))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]", out.stdout

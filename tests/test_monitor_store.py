@@ -217,6 +217,9 @@ def test_totals_histograms_and_batches(make_store: Any) -> None:
     assert t["h|batch_size|prefill|2"] == 1  # 3 -> le=4
     assert (t["pad|prefill|real"], t["pad|prefill|padded"]) == (300, 512)
     assert t["kvbytes"] == 4096
+    # Prometheus buckets are "less than or equal": 0.1 s exactly belongs to le="0.1" (index 7).
+    store.add_request(request("edge", ttft_s=0.1))
+    assert store.totals()["h|ttft|online|7"] == 1
 
 
 def test_memory_store_stays_bounded() -> None:
@@ -232,6 +235,9 @@ def test_memory_store_stays_bounded() -> None:
     # ones not pruned yet (pruning runs every 10 s) and the totals.
     assert sizes["hashes"] <= 31 + 6 + 2 + 2 + 1, sizes
     assert sizes["workers"] == 3
+    # A record that finished before the window creates no slot (it only reaches the totals).
+    store.add_request(request("stale", arrival=clock.t - 1000, e2e_s=0.0))
+    assert store.sizes()["hashes"] == sizes["hashes"]
 
 
 def test_redis_stores_share_one_view(redis_server: str) -> None:  # noqa: F811

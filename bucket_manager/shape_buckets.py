@@ -255,6 +255,9 @@ class ShapeBuckets:
         self.prompt_ctx_blocks = [0] if config.prompt_ctx is None else config.prompt_ctx.values(strategy)
         self.decode_batch_sizes = config.decode_bs.values(strategy)
         self.decode_block_counts = config.decode_block.values(strategy)
+        if self.decode_block_counts[-1] < self.decode_batch_sizes[-1]:
+            # A cache smaller than the largest padded batch would leave that batch no bucket (blocks >= batch).
+            self.decode_block_counts.append(self.decode_batch_sizes[-1])
 
         block = config.block_size
         # Both limits rounded up to their grid so the top value, itself rounded up, is not filtered away.

@@ -174,7 +174,7 @@ def test_lookup_is_first_dominating_bucket(flags, data):
         ctx = data.draw(st.integers(0, flags["max_model_len"] // flags["block_size"] + 2))
         assert sb.find_prompt(bs, q, ctx) == _brute(sb.prompt, (bs, q, ctx))
         dbs = data.draw(st.integers(1, flags["max_num_seqs"] + 2))
-        blocks = data.draw(st.integers(dbs, flags["num_blocks"] + 200))
+        blocks = data.draw(st.integers(dbs, max(dbs, flags["num_blocks"]) + 200))
         assert sb.find_decode(dbs, blocks) == _brute(sb.decode, (dbs, 1, blocks))
 
 

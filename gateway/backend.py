@@ -1,0 +1,87 @@
+"""The seam between the HTTP gateway and whatever executes requests.
+
+The gateway (``gateway/app.py``) speaks only to a :class:`ServingBackend`. Backends:
+
+- ``RayClusterBackend`` (``gateway/ray_backend.py``): the disaggregated or colocated Ray cluster
+  (controller, prefill and decode actors, monitor);
+- ``LocalEngineBackend`` (``gateway/local_backend.py``): one in-process engine driven by a thread,
+  for development and for testing the HTTP layer on a real model without Ray.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.request import Request, RequestOutput
+
+
+class BackendError(Exception):
+    """Base class; ``status`` is the HTTP status the gateway answers with."""
+
+    status = 500
+    code = "internal_error"
+
+
+class Rejected(BackendError):
+    """The request can never be served as asked (too long, ...): 400, message names the limit."""
+
+    status = 400
+    code = "invalid_request"
+
+
+class Overloaded(BackendError):
+    """Admission queue full: 429 with Retry-After."""
+
+    status = 429
+    code = "overloaded"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(BackendError):
+    """Workers not up or not warmed: 503."""
+
+    status = 503
+    code = "unavailable"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # the id clients send as "model"
+    path: str  # folder of the checkpoint (for the tokenizer and chat template)
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+
+class ServingBackend(abc.ABC):
+    @abc.abstractmethod
+    def model_info(self) -> ModelInfo: ...
+
+    @abc.abstractmethod
+    def generate(self, req: Request) -> AsyncIterator[RequestOutput]:
+        """Yield outputs (new tokens, batched per engine step) until one has ``finished=True``.
+
+        Raises Rejected / Overloaded / Unavailable before the first yield when it cannot accept.
+        Cancelling the iterator (client gone) must abort the request and free its KV everywhere.
+        """
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None: ...
+
+    @abc.abstractmethod
+    async def health(self) -> dict:
+        """{"ready": bool, "workers": [{"id", "role", "up", "warmed", ...}], ...}"""
+
+    async def metrics_text(self) -> str:
+        """Prometheus exposition of the monitor, '' where there is none."""
+        return ""
+
+    async def dashboard_data(self, window_s: float) -> dict:
+        return {}
+
+    async def shutdown(self) -> None:  # noqa: B027 - optional
+        pass

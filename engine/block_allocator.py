@@ -6,6 +6,8 @@ Invariant (checked by :meth:`check_integrity`, in tests and when a worker is idl
 
 from __future__ import annotations
 
+import threading
+
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free; nothing is allocated."""
@@ -19,6 +21,8 @@ class BlockAllocator:
         # A stack: the most recently freed block is reused first (warm in cache).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._used: set[int] = set()
+        # KV-transfer receiver threads allocate while the engine loop runs: every method holds this.
+        self._lock = threading.RLock()
 
     @property
     def num_free(self) -> int:
@@ -35,22 +39,30 @@ class BlockAllocator:
         """Allocate ``n`` blocks, all or nothing."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
-        if n > len(self._free):
-            raise NoFreeBlocksError(f"asked for {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
-        out = [self._free.pop() for _ in range(n)]
-        self._used.update(out)
-        return out
+        with self._lock:
+            if n > len(self._free):
+                raise NoFreeBlocksError(
+                    f"asked for {n} KV blocks, {len(self._free)} free of {self.num_blocks}"
+                )
+            out = [self._free.pop() for _ in range(n)]
+            self._used.update(out)
+            return out
 
     def free(self, block_ids: list[int]) -> None:
         """Return blocks; freeing a block that is not in use is a bug and raises (all or nothing)."""
-        bad = [b for b in block_ids if b not in self._used]
-        if bad or len(set(block_ids)) != len(block_ids):
-            raise ValueError(f"freeing blocks that are not in use (or twice): {bad or block_ids}")
-        for b in block_ids:
-            self._used.remove(b)
-            self._free.append(b)
+        with self._lock:
+            bad = [b for b in block_ids if b not in self._used]
+            if bad or len(set(block_ids)) != len(block_ids):
+                raise ValueError(f"freeing blocks that are not in use (or twice): {bad or block_ids}")
+            for b in block_ids:
+                self._used.remove(b)
+                self._free.append(b)
 
     def check_integrity(self) -> None:
+        with self._lock:
+            self._check_integrity()
+
+    def _check_integrity(self) -> None:
         free = set(self._free)
         if len(free) != len(self._free):
             raise AssertionError("block allocator: duplicate ids in the free list")

@@ -11,19 +11,19 @@ import time
 from dataclasses import dataclass, field
 
 
-class PriorityClass(str, enum.Enum):
+class PriorityClass(enum.StrEnum):
     ONLINE = "online"  # latency SLOs (TTFT, TPOT)
     OFFLINE = "offline"  # throughput
 
 
-class RequestStatus(str, enum.Enum):
+class RequestStatus(enum.StrEnum):
     WAITING = "waiting"  # queued for prefill
     PREFILLED = "prefilled"  # first token sampled, KV written; waiting to join a decode batch
     RUNNING = "running"  # in the decode batch
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"  # cancelled by the client or the system
@@ -51,7 +51,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if isinstance(self.stop, str) or isinstance(self.stop, list):
+        if isinstance(self.stop, (str, list)):
             object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
 
     @property

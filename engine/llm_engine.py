@@ -1,0 +1,339 @@
+"""The engine of one worker: model, paged KV cache, shape buckets, scheduler policy, sampler.
+
+Used three ways, with the same code: in-process (``bucketserve generate``, ``bench offline``),
+as a colocated worker (prefill + decode), and split across a prefill worker (:meth:`prefill_only`)
+and a decode worker (:meth:`admit_prefilled` + :meth:`step`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from bucket_manager.shape_buckets import ShapeBucketConfig, ShapeBuckets
+from engine.block_allocator import BlockAllocator
+from engine.config import EngineConfig, resolve_engine_config
+from engine.device import get_device
+from engine.kv_cache import KVCache
+from engine.memory import plan_kv_memory
+from engine.model_loader import load_model
+from engine.model_runner import ModelRunner
+from engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from engine.sampler import Sampler
+from engine.scheduler import RunningSeq, StepLimits, StepPlan, WaitingSeq, plan_step
+
+logger = logging.getLogger(__name__)
+
+
+class RequestRejected(ValueError):
+    """The request can never run on this engine (too long, ...); the message names the limit."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        torch.manual_seed(config.seed)
+        self.device = get_device(config.device)
+        self.loaded = load_model(config.model, self.device.torch_device, config.dtype)
+        self.config = cfg = resolve_engine_config(
+            config, self.device.name, self.loaded.max_position_embeddings
+        )
+        self.tokenizer = self.loaded.tokenizer
+        self.block_size = bs = cfg.cache.block_size
+        self.kv_spec = self.loaded.kv_spec(bs)
+        sched = cfg.scheduler
+        min_blocks = -(-sched.max_model_len // bs)
+        # Profile the largest prompt bucket's activations on a scratch cache before sizing the real one.
+        peak = self._profile_activation_peak(min_blocks)
+        plan = plan_kv_memory(cfg.cache, self.device, self.kv_spec, peak, min_blocks)
+        self.kv_cache = KVCache(self.kv_spec, plan.num_blocks, self.device.torch_device)
+        self.allocator = BlockAllocator(plan.num_blocks)
+        self.buckets = self._make_buckets(plan.num_blocks)
+        self.runner = ModelRunner(
+            self.loaded.model,
+            self.kv_cache,
+            self.device,
+            self.buckets,
+            sched.max_model_len,
+            compile_cpu=cfg.compile,
+        )
+        self.limits = StepLimits(sched.max_num_seqs, sched.max_num_prefill_seqs, sched.max_num_batched_tokens)
+        self.sampler = Sampler(cfg.seed)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.eos_token_ids = set(self.loaded.eos_token_ids)
+        self.stats = {
+            "prefill_steps": 0,
+            "decode_steps": 0,
+            "preemptions": 0,
+            "prompt_tokens": 0,
+            "output_tokens": 0,
+        }
+        self.warmup_report: dict[str, float] = {}
+        if not cfg.skip_warmup:
+            self.warmup_report = self.runner.warmup(graph_memory_budget=plan.graph_reserve_bytes or None)
+
+    # ------------------------------------------------------------------ set-up
+    def _make_buckets(self, num_blocks: int) -> ShapeBuckets:
+        s = self.config.scheduler
+        return ShapeBuckets(
+            ShapeBucketConfig.from_serving(
+                strategy=self.config.bucketing.strategy,
+                block_size=self.block_size,
+                max_model_len=s.max_model_len,
+                max_num_seqs=s.max_num_seqs,
+                max_num_prefill_seqs=s.max_num_prefill_seqs,
+                max_num_batched_tokens=s.max_num_batched_tokens,
+                num_blocks=num_blocks,
+                prefix_caching=self.config.bucketing.prefix_caching,
+                env=os.environ,
+            )
+        )
+
+    def _profile_activation_peak(self, min_blocks: int) -> int:
+        if self.device.name == "cpu":
+            return 0  # host RAM has no allocator peak counter worth trusting; the CPU cap covers it
+        s = self.config.scheduler
+        scratch = KVCache(self.kv_spec, min_blocks, self.device.torch_device)
+        runner = ModelRunner(self.loaded.model, scratch, self.device, None, s.max_model_len, use_graphs=False)
+        q = min(s.max_num_batched_tokens, s.max_model_len)
+        b = max(1, min(s.max_num_prefill_seqs, s.max_num_batched_tokens // q))
+        self.device.reset_peak_memory()
+        runner.execute(runner._dummy_prompt((b, q, 0)))
+        self.device.synchronize()
+        peak = self.device.peak_memory()
+        del scratch, runner
+        return peak
+
+    # ------------------------------------------------------------------ requests
+    def validate(self, req: Request) -> None:
+        limit = self.config.scheduler.max_model_len
+        if req.num_prompt_tokens >= limit:
+            raise RequestRejected(
+                f"prompt has {req.num_prompt_tokens} tokens; max_model_len is {limit} (prompt + output must fit)"
+            )
+
+    def add_request(self, req: Request) -> None:
+        self.validate(req)
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        req.finish(FinishReason.ABORT)
+        self._release(req)
+        return self._output(req, [], [])
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _release(self, req: Request) -> None:
+        if req.block_ids:
+            self.allocator.free(req.block_ids)
+            req.block_ids = []
+        self.sampler.release(req.request_id)
+        self.requests.pop(req.request_id, None)
+
+    # ------------------------------------------------------------------ blocks
+    def _blocks_to_cover(self, req: Request, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(req.block_ids))
+
+    def _grow(self, req: Request, num_tokens: int) -> None:
+        n = self._blocks_to_cover(req, num_tokens)
+        if n:
+            req.block_ids += self.allocator.allocate(n)
+
+    # ------------------------------------------------------------------ stepping
+    def _plan(self) -> StepPlan:
+        waiting = [
+            WaitingSeq(
+                r.request_id, r.num_tokens - r.num_computed_tokens, self._blocks_to_cover(r, r.num_tokens)
+            )
+            for r in self._prefill_candidates()
+        ]
+        running = [
+            RunningSeq(r.request_id, self._blocks_to_cover(r, r.num_tokens), len(r.block_ids))
+            for r in self.running
+        ]
+        return plan_step(waiting, running, self.allocator.num_free, self.limits)
+
+    def _prefill_candidates(self) -> list[Request]:
+        """FCFS, then only the requests that pad to the head's query bucket: one shape, little padding."""
+        if not self.waiting:
+            return []
+        head = self.waiting[0]
+        bucket = self._query_bucket(head)
+        window = list(self.waiting)[: 4 * self.limits.max_num_prefill_seqs]
+        return [head] + [r for r in window[1:] if self._query_bucket(r) == bucket]
+
+    def _query_bucket(self, req: Request) -> int:
+        n = req.num_tokens - req.num_computed_tokens
+        found = self.buckets.find_prompt(1, n, 0)
+        return found[1] if found else n
+
+    def step(self) -> list[RequestOutput]:
+        plan = self._plan()
+        if plan.kind == "prefill":
+            reqs = [self.requests[i] for i in plan.request_ids]
+            for r in reqs:
+                self.waiting.remove(r)
+            return self._run_prefill(reqs)
+        if plan.kind == "decode":
+            for rid in plan.preempt_ids:
+                self._preempt(self.requests[rid])
+            reqs = [self.requests[i] for i in plan.request_ids]
+            return self._run_decode(reqs)
+        return []
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.allocator.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0  # recompute prompt + generated tokens later; greedy output is unchanged
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.stats["preemptions"] += 1
+        logger.debug("preempted %s (KV cache full)", req.request_id)
+
+    def prefill_only(self, reqs: Sequence[Request]) -> list[RequestOutput]:
+        """Prefill worker path: compute KV and the first token; blocks stay allocated for the transfer."""
+        for r in reqs:
+            self._grow(r, r.num_tokens)
+        t0 = time.perf_counter()
+        logits = self.runner.prefill(reqs)
+        self.stats["prefill_steps"] += 1
+        self.stats["prompt_tokens"] += sum(r.num_tokens - r.num_computed_tokens for r in reqs)
+        tokens, logprobs = self.sampler(logits, reqs)
+        outs = []
+        for i, r in enumerate(reqs):
+            r.num_computed_tokens = r.num_tokens
+            outs.append(self._append(r, tokens[i], logprobs[i] if logprobs else None))
+        logger.debug("prefill of %d requests in %.1f ms", len(reqs), (time.perf_counter() - t0) * 1e3)
+        return outs
+
+    def _run_prefill(self, reqs: list[Request]) -> list[RequestOutput]:
+        outs = self.prefill_only(reqs)
+        for r in reqs:
+            if r.finished:
+                self._release(r)
+            else:
+                r.status = RequestStatus.RUNNING
+                self.running.append(r)
+        return outs
+
+    def detach(self, request_id: str) -> Request:
+        """Prefill worker path: forget a prefilled request without freeing its blocks; the caller
+        (the KV transport) now owns ``req.block_ids`` and frees them when the transfer ends."""
+        req = self.requests.pop(request_id)
+        self.sampler.release(request_id)
+        return req
+
+    def admit_prefilled(self, req: Request) -> None:
+        """Decode worker path: KV of ``num_computed_tokens`` tokens is already in ``req.block_ids``."""
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        req.status = RequestStatus.RUNNING
+        self.requests[req.request_id] = req
+        self.running.append(req)
+
+    def _run_decode(self, reqs: list[Request]) -> list[RequestOutput]:
+        for r in reqs:
+            self._grow(r, r.num_tokens)
+        logits = self.runner.decode(reqs)
+        self.stats["decode_steps"] += 1
+        tokens, logprobs = self.sampler(logits, reqs)
+        outs = []
+        for i, r in enumerate(reqs):
+            r.num_computed_tokens = r.num_tokens
+            outs.append(self._append(r, tokens[i], logprobs[i] if logprobs else None))
+            if r.finished:
+                self.running.remove(r)
+                self._release(r)
+        return outs
+
+    def _append(self, req: Request, token: int, logprob: float | None) -> RequestOutput:
+        req.output_token_ids.append(token)
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        self.stats["output_tokens"] += 1
+        reason = self._stop_reason(req, token)
+        if reason is not None:
+            req.finish(reason)
+        return self._output(req, [token], [logprob] if logprob is not None else [])
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        sp = req.sampling
+        if not sp.ignore_eos and (token in self.eos_token_ids or token in sp.stop_token_ids):
+            return FinishReason.STOP
+        if sp.stop:
+            req.output_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            for s in sp.stop:
+                cut = req.output_text.find(s)
+                if cut >= 0:
+                    req.output_text = req.output_text[:cut]
+                    return FinishReason.STOP
+        if req.num_generated_tokens >= sp.max_tokens or req.num_tokens >= self.config.scheduler.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    @staticmethod
+    def _output(req: Request, tokens: list[int], logprobs: list[float]) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            new_logprobs=logprobs,
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_generated_tokens=req.num_generated_tokens,
+            error=req.error,
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def generate(self, requests: Iterable[Request]) -> list[Request]:
+        """Run requests to completion (offline use); returns them in the given order."""
+        reqs = list(requests)
+        for r in reqs:
+            self.add_request(r)
+        while self.has_unfinished():
+            self.step()
+        return reqs
+
+    def check_integrity(self) -> None:
+        """free + used == total, and the used blocks are exactly those held by live requests."""
+        self.allocator.check_integrity()
+        held = [b for r in self.requests.values() for b in r.block_ids]
+        if len(held) != len(set(held)):
+            raise AssertionError("a KV block is held by two requests")
+        if len(held) != self.allocator.num_used:
+            raise AssertionError(
+                f"{self.allocator.num_used} blocks used but {len(held)} held by live requests"
+            )
+
+    def worker_stats(self) -> dict[str, int | float]:
+        free_mem, _ = self.device.mem_get_info()
+        return {
+            "kv_blocks_total": self.allocator.num_blocks,
+            "kv_blocks_used": self.allocator.num_used,
+            "kv_blocks_free": self.allocator.num_free,
+            "free_device_memory": free_mem,
+            "queue_len": len(self.waiting),
+            "running": len(self.running),
+            "runtime_compilations": self.runner.runtime_compilations,
+        }

@@ -78,16 +78,19 @@ def _decode_attention(meta, layer, query, scaling) -> torch.Tensor:
     q = query.reshape(b, kvh, g, d)
     q = torch.cat([q, q.new_zeros(1, kvh, g, d)])  # [B + 1, KVH, G, D]: row B is the dummy row
     qb = q.index_select(0, groups)  # [NB, KVH, G, D]
-    kb = k_cache.index_select(0, meta.block_list).transpose(1, 2)  # [NB, KVH, S, D]
-    vb = v_cache.index_select(0, meta.block_list).transpose(1, 2)  # [NB, KVH, S, D]
-    scores = torch.matmul(qb, kb.transpose(-1, -2)) * scaling + meta.block_bias  # [NB, KVH, G, S]
+    kb = k_cache.index_select(0, meta.block_list)  # [NB, S, KVH, D]
+    vb = v_cache.index_select(0, meta.block_list)  # [NB, S, KVH, D]
+    # One strided bmm per KV head reads kb/vb in place; a [NB, KVH, S, D] transpose would copy them.
+    scores = torch.stack([torch.bmm(qb[:, j], kb[:, :, j].transpose(1, 2)) for j in range(kvh)], 1)
+    scores = scores * scaling + meta.block_bias  # [NB, KVH, G, S]
     # Softmax over all blocks of a row: per-block max -> row max, then sums, as a segment reduction.
     block_max = scores.amax(-1)  # [NB, KVH, G]
     idx = groups.view(-1, 1, 1).expand_as(block_max)
     row_max = block_max.new_full((b + 1, kvh, g), _MASKED).scatter_reduce_(0, idx, block_max, "amax")
     p = torch.exp(scores - row_max.index_select(0, groups).unsqueeze(-1))  # [NB, KVH, G, S]
     row_sum = p.new_zeros(b + 1, kvh, g).index_add_(0, groups, p.sum(-1))  # [B + 1, KVH, G]
-    out = p.new_zeros(b + 1, kvh, g, d).index_add_(0, groups, torch.matmul(p, vb))  # [B + 1, KVH, G, D]
+    pv = torch.stack([torch.bmm(p[:, j], vb[:, :, j]) for j in range(kvh)], 1)  # [NB, KVH, G, D]
+    out = p.new_zeros(b + 1, kvh, g, d).index_add_(0, groups, pv)  # [B + 1, KVH, G, D]
     out = out[:b] / row_sum[:b].clamp_min(1e-30).unsqueeze(-1)
     return out.reshape(b, h, 1, d)
 

@@ -8,6 +8,7 @@ and a decode worker (:meth:`admit_prefilled` + :meth:`step`).
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
 import time
@@ -172,13 +173,21 @@ class LLMEngine:
         return plan_step(waiting, running, self.allocator.num_free, self.limits)
 
     def _prefill_candidates(self) -> list[Request]:
-        """FCFS, then only the requests that pad to the head's query bucket: one shape, little padding."""
+        """FCFS head first, then the other waiting requests that pad to the head's query bucket (one
+        shape, little padding), cut to a batch size that is itself a warmed bucket, so no row is padding
+        (on CPU a padded row costs as much as a real one)."""
         if not self.waiting:
             return []
         head = self.waiting[0]
-        bucket = self._query_bucket(head)
-        window = list(self.waiting)[: 4 * self.limits.max_num_prefill_seqs]
-        return [head] + [r for r in window[1:] if self._query_bucket(r) == bucket]
+        q = self._query_bucket(head)
+        cands = [head] + [r for r in itertools.islice(self.waiting, 1, None) if self._query_bucket(r) == q]
+        n = min(len(cands), self.limits.max_num_prefill_seqs)
+        while n > 1:
+            shape = self.buckets.find_prompt(n, q, 0)
+            if shape is not None and shape[0] == n:
+                break
+            n -= 1
+        return cands[:n]
 
     def _query_bucket(self, req: Request) -> int:
         n = req.num_tokens - req.num_computed_tokens

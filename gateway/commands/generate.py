@@ -41,7 +41,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    engine = LLMEngine(config_from_args(args))
+    from engine.config import ConfigError
+    from engine.model_loader import ModelNotFoundError
+
+    try:
+        engine = LLMEngine(config_from_args(args))
+    except (ModelNotFoundError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     ids = engine.tokenizer(args.prompt, add_special_tokens=True).input_ids
     if not ids:
         print("error: the prompt is empty after tokenization", file=sys.stderr)

@@ -1,0 +1,45 @@
+"""Shared helpers for engine tests: a small engine config and the Hugging Face reference."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from engine.config import BucketingConfig, CacheConfig, EngineConfig, SchedulerConfig
+
+
+def small_config(**kw) -> EngineConfig:
+    """The tiny model with a small bucket grid: fast warm-up, prompts above 256 tokens exceed it."""
+    defaults = dict(
+        model="tiny",
+        device="cpu",
+        skip_warmup=True,
+        cache=CacheConfig(block_size=16, num_blocks=256),
+        scheduler=SchedulerConfig(
+            max_model_len=512, max_num_seqs=8, max_num_prefill_seqs=4, max_num_batched_tokens=256
+        ),
+        bucketing=BucketingConfig(strategy="exponential"),
+    )
+    defaults.update(kw)
+    return EngineConfig(**defaults)
+
+
+@functools.lru_cache(maxsize=2)
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Hugging Face generate, greedy, one prompt unbatched: the outside reference."""
+    model = hf_model(str(path))
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def random_prompts(lengths: list[int], seed: int = 0, vocab: tuple[int, int] = (10, 4000)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(vocab[0], vocab[1], (n,), generator=g).tolist() for n in lengths]

@@ -1,0 +1,34 @@
+"""Warm-up covers every bucket, logs each one, and serving inside the range compiles nothing."""
+
+from __future__ import annotations
+
+import logging
+
+from engine_helpers import random_prompts, small_config
+
+from engine.llm_engine import LLMEngine
+from engine.request import Request, SamplingParams
+
+
+def test_warmup_then_no_runtime_compilation_inside_range(caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+        engine = LLMEngine(small_config(skip_warmup=False))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[Warmup]")]
+    n_prompt, n_decode = len(engine.buckets.prompt), len(engine.buckets.decode)
+    assert len(lines) == n_prompt + n_decode
+    assert lines[0].startswith(f"[Warmup][Prompt][1/{n_prompt}]") and "free_mem:" in lines[0]
+    assert any(line.startswith(f"[Warmup][Decode][{n_decode}/{n_decode}]") for line in lines)
+    assert engine.runner.warmed_up and engine.runner.runtime_compilations == 0
+
+    prompts = random_prompts([5, 30, 77, 120, 200, 16], seed=4)
+    engine.generate([Request(f"w{i}", p, SamplingParams(max_tokens=20)) for i, p in enumerate(prompts)])
+    assert engine.runner.runtime_compilations == 0
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="engine.model_runner"):
+        largest = max(q for _, q, _ in engine.buckets.prompt)
+        engine.generate(
+            [Request("big", random_prompts([largest + 10], seed=5)[0], SamplingParams(max_tokens=2))]
+        )
+    assert engine.runner.runtime_compilations == 1
+    assert any("runtime compilation #1" in r.getMessage() for r in caplog.records)

@@ -1,0 +1,109 @@
+"""Text <-> tokens in the gateway: prompt tokenization, chat templates, incremental detokenization
+and stop strings for streaming.
+
+The engine never sees text (except to check stop strings), so the gateway owns the tokenizer; it is
+loaded from the checkpoint folder the backend names, the same files the workers loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.hf = hf_tokenizer
+        self.vocab_size = len(hf_tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf(text, add_special_tokens=True).input_ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included (for logprobs)."""
+        return self.hf.decode([token_id], skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model has no chat template; use /v1/completions")
+        text = self.hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        # The template writes the BOS itself; adding special tokens again would double it.
+        return list(self.hf(text, add_special_tokens=False).input_ids)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output tokens into text deltas, as the tokens arrive.
+
+    Decodes only a short window (the tokens since the last emitted boundary) instead of the whole
+    output each time, and holds text back while it ends in an incomplete UTF-8 sequence (U+FFFD),
+    so that multi-byte characters split over tokens are never emitted half-made.
+
+    With ``stop`` strings, the text past the first stop string is never emitted, and the last
+    ``len(longest stop) - 1`` characters are held back until more text shows they cannot begin one.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None) -> None:
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.stop = list(stop or [])
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""  # all text decoded so far (possibly past a stop string)
+        self.emitted = 0  # characters of `text` already handed out
+        self.stopped = False  # a stop string was found; nothing more will be emitted
+
+    def add(self, token_ids: list[int], final: bool = False) -> str:
+        """Append tokens; return the text now safe to emit (all of it when ``final``)."""
+        if self.stopped:
+            return ""
+        for t in token_ids:
+            self.ids.append(t)
+            self.text += self._step()
+        if final:
+            # Flush whatever the windowed decoding still held (an incomplete character at the end).
+            rest = self.tok.decode(self.ids[self.prefix_offset :])
+            done = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
+            if len(rest) > len(done):
+                self.text += rest[len(done) :]
+                self.read_offset = len(self.ids)
+        return self._release(final)
+
+    def _step(self) -> str:
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.tok.decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return full[len(prefix) :]
+        return ""
+
+    def _release(self, final: bool) -> str:
+        if self.stop:
+            # A stop string can only begin where one could not have been seen before.
+            start = max(0, self.emitted - self.hold)
+            cut = min((i for i in (self.text.find(s, start) for s in self.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                self.stopped = True
+                out = self.text[self.emitted : cut]
+                self.emitted = cut
+                return out
+        end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
+        out = self.text[self.emitted : end]
+        self.emitted = end
+        return out
+
+    @property
+    def output_text(self) -> str:
+        """The text handed out so far (the whole response text once finished)."""
+        return self.text[: self.emitted]

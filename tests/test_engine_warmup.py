@@ -32,3 +32,25 @@ def test_warmup_then_no_runtime_compilation_inside_range(caplog) -> None:
         )
     assert engine.runner.runtime_compilations == 1
     assert any("runtime compilation #1" in r.getMessage() for r in caplog.records)
+
+
+def test_cpu_compile_path_is_exact() -> None:
+    # --compile: torch.compile(dynamic=False), one graph per shape; kept to one prompt and one
+    # decode shape because each CPU compilation takes tens of seconds.
+    from engine_helpers import hf_greedy
+
+    from engine.config import CacheConfig, SchedulerConfig
+
+    engine = LLMEngine(
+        small_config(
+            compile=True,
+            cache=CacheConfig(block_size=16, num_blocks=64),
+            scheduler=SchedulerConfig(
+                max_model_len=128, max_num_seqs=2, max_num_prefill_seqs=1, max_num_batched_tokens=64
+            ),
+        )
+    )
+    prompt = random_prompts([20], seed=1)[0]
+    req = Request("compiled", prompt, SamplingParams(max_tokens=4))
+    engine.generate([req])
+    assert req.output_token_ids == hf_greedy(engine.loaded.path, prompt, 4)

@@ -9,6 +9,7 @@ client never sees FastAPI's default 422 body.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -47,28 +48,36 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# Pydantic names the member of a union (`str`, `list[str]`, `function-after[...]`) in the error
+# location; the client only needs the field.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\]|function-.*)$")
+
+
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
-    # Pydantic prefixes validator errors with the function name in some cases; keep field parts only.
-    parts = [str(p) for p in loc if not (isinstance(p, str) and p.startswith("function-"))]
+    parts = [str(p) for p in loc if not (isinstance(p, str) and _UNION_TAG.match(p))]
     return ".".join(parts) or None
 
 
 def validation_error(exc: ValidationError) -> APIError:
     """The first problem of a pydantic error, as a 400 naming the field."""
-    err = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    err = errors[0]
     param = _loc_to_param(tuple(err.get("loc", ())))
     kind = err.get("type", "")
     if kind == "json_invalid":
         return APIError(400, f"malformed JSON body: {err.get('msg')}", code="invalid_json")
-    msg = str(err.get("msg", "invalid value"))
-    # Custom validators raise ValueError; pydantic prefixes those with "Value error, ".
-    msg = msg.removeprefix("Value error, ")
     if kind == "model_type" and not param:
         return APIError(400, "the request body must be a JSON object", code="invalid_type")
     if kind == "missing":
         return APIError(400, f"{param}: field required", param=param, code="missing_field")
-    if kind == "extra_forbidden":
-        return APIError(400, f"{param}: unknown field", param=param, code="unknown_field")
+    # Custom validators raise ValueError; pydantic prefixes those with "Value error, ".
+    # A union gives one error per member: say what each would have accepted.
+    msgs = [
+        str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+        for e in errors
+        if _loc_to_param(tuple(e.get("loc", ()))) == param
+    ]
+    msg = " or ".join(dict.fromkeys(msgs))
     return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 

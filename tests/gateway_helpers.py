@@ -1,0 +1,85 @@
+"""Shared pieces of the gateway tests: the tiny-model backend, a real uvicorn server in a thread,
+SSE parsing and the Hugging Face greedy reference."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import uvicorn
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+MAX_MODEL_LEN = 512
+
+
+def tiny_config() -> EngineConfig:
+    return EngineConfig(
+        model="tiny",
+        skip_warmup=True,
+        cache=CacheConfig(num_blocks=512),
+        scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=16),
+    )
+
+
+@contextmanager
+def serve_app(app: Any) -> Iterator[str]:
+    """Run ``app`` on a real uvicorn server on a free 127.0.0.1 port; yields its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def sse_events(lines: Iterator[str]) -> list[Any]:
+    """The data payloads of an SSE stream: parsed JSON objects, and the final "[DONE]" as a string."""
+    events: list[Any] = []
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), f"not an SSE data line: {line!r}"
+        data = line[len("data: ") :]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+class HFReference:
+    """Hugging Face ``generate`` greedy on the same checkpoint, with its stock attention."""
+
+    def __init__(self, path: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        with self.torch.no_grad():
+            out = self.model.generate(
+                self.torch.tensor([prompt_ids]),
+                attention_mask=self.torch.ones(1, len(prompt_ids), dtype=self.torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=self.tokenizer.eos_token_id,
+            )
+        return out[0, len(prompt_ids) :].tolist()

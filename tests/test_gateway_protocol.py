@@ -1,0 +1,125 @@
+"""Gateway pieces without a server: request models and their errors, incremental detokenization
+with stop strings, and the Ray Serve wiring (picklable settings, the ingress class)."""
+
+from __future__ import annotations
+
+import functools
+import pickle
+
+import pytest
+
+from engine.model_loader import load_tokenizer
+from gateway.backend import GatewaySettings
+from gateway.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from gateway.tokenization import IncrementalDetokenizer, Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer(load_tokenizer("tiny"))
+
+
+def test_prompt_shapes_normalise_to_one_entry_per_prompt() -> None:
+    def prompts(raw: str) -> list:
+        return parse_body(CompletionRequest, raw.encode()).prompts()
+
+    assert prompts('{"prompt": "a b"}') == ["a b"]
+    assert prompts('{"prompt": ["a", "b"]}') == ["a", "b"]
+    assert prompts('{"prompt": [1, 2, 3]}') == [[1, 2, 3]]
+    assert prompts('{"prompt": [[1], [2, 3]]}') == [[1], [2, 3]]
+
+
+def test_unknown_fields_are_ignored_but_known_ones_are_strict() -> None:
+    req = parse_body(CompletionRequest, b'{"prompt": "x", "user": "me", "temperature": 0}')
+    assert req.temperature == 0.0 and req.max_tokens == 16
+    with pytest.raises(APIError) as e:
+        parse_body(CompletionRequest, b'{"prompt": "x", "seed": "7"}')
+    assert e.value.status == 400 and e.value.param == "seed"
+
+
+def test_chat_limits_and_logprob_options() -> None:
+    req = parse_body(
+        ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 4}'
+    )
+    assert req.requested_max_tokens() == 4
+    with pytest.raises(APIError) as e:
+        parse_body(
+            ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}'
+        )
+    assert "logprobs" in e.value.message
+
+
+def _stream(detok: IncrementalDetokenizer, ids: list[int]) -> str:
+    out = "".join(detok.add([t]) for t in ids[:-1])
+    return out + detok.add(ids[-1:], final=True)
+
+
+def test_incremental_text_equals_a_whole_decode(tok: Tokenizer) -> None:
+    text = "Héllo wörld — ünïcode ✓ and 日本語 text, 🙂 emoji too."
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.add([t]) for t in ids]
+    pieces.append(detok.add([], final=True))
+    assert "".join(pieces) == tok.decode(ids)
+    # Never half a character: a piece never holds the replacement character.
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_split_over_tokens_is_never_emitted(tok: Tokenizer) -> None:
+    text = "alpha beta gamma delta epsilon"
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, stop=["gamma del"])
+    emitted = []
+    for t in ids:
+        emitted.append(detok.add([t]))
+        # No prefix of the stop string leaks before it is known whether the stop completes.
+        assert "gam" not in "".join(emitted)
+        if detok.stopped:
+            break
+    assert detok.stopped
+    assert "".join(emitted) == tok.decode(ids)[: tok.decode(ids).find("gamma del")]
+
+
+def test_held_back_tail_is_released_at_the_end(tok: Tokenizer) -> None:
+    ids = tok.encode("one two three")
+    detok = IncrementalDetokenizer(tok, stop=["xyzzy-never"])
+    assert _stream(detok, ids) == tok.decode(ids)
+    assert not detok.stopped
+
+
+def _factory() -> None:
+    raise AssertionError("not called in this test")
+
+
+def test_settings_pickle_with_their_backend_factory() -> None:
+    s = GatewaySettings(backend_factory=functools.partial(_factory), api_key="k", default_slo_ttft_ms=300)
+    back = pickle.loads(pickle.dumps(s))
+    assert back.api_key == "k" and back.default_slo_ttft_ms == 300
+    assert isinstance(back.backend_factory, functools.partial)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"default_slo_ttft_ms": 0}, "default_slo_ttft_ms"),
+        ({"default_priority": "batch"}, "default_priority"),
+        ({"api_key": " "}, "api_key"),
+        ({"dashboard_refresh_ms": 10}, "dashboard_refresh_ms"),
+    ],
+)
+def test_settings_errors_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        GatewaySettings(**kwargs)
+
+
+def test_build_app_needs_a_factory_and_binds_the_ingress() -> None:
+    from gateway.app import GatewayDeployment, build_app
+
+    with pytest.raises(ValueError, match="backend_factory"):
+        build_app(GatewaySettings())
+    app = build_app(GatewaySettings(backend_factory=_factory), num_replicas=2)
+    deployment = app._bound_deployment
+    assert deployment.name == "gateway"
+    assert deployment.num_replicas == 2
+    assert deployment.max_ongoing_requests == 1024
+    assert hasattr(GatewayDeployment, "__serve_build_asgi_app__")

@@ -781,8 +781,14 @@ def _backend_error(e: BackendError) -> APIError:
     return APIError(e.status, str(e) or e.code, type=kind, code=e.code, headers=headers)
 
 
-def create_app(backend: ServingBackend, settings: GatewaySettings | None = None) -> FastAPI:
-    """The gateway app over a live backend; the caller keeps ownership of the backend (shuts it down)."""
+def create_app(
+    backend: ServingBackend, settings: GatewaySettings | None = None, *, echo_request_id: bool = True
+) -> FastAPI:
+    """The gateway app over a live backend; the caller keeps ownership of the backend (shuts it down).
+
+    ``echo_request_id=False`` leaves x-request-id to a proxy in front that already echoes it (Ray
+    Serve's does, and generates one when absent), so responses do not carry it twice.
+    """
     settings = settings or GatewaySettings()
     gw = Gateway(backend, settings)
     app = FastAPI(title="BucketServe", docs_url=None, redoc_url=None, openapi_url=None)
@@ -861,7 +867,8 @@ def create_app(backend: ServingBackend, settings: GatewaySettings | None = None)
             raise APIError(400, f"window_s must be a positive number, got {window_s}", param="window_s")
         return JSONResponse(await backend.dashboard_data(window_s))
 
-    app.add_middleware(_RequestIdMiddleware)
+    if echo_request_id:
+        app.add_middleware(_RequestIdMiddleware)
     return app
 
 
@@ -877,7 +884,7 @@ class GatewayDeployment:
         self._backend = settings.build_backend()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_app(self._backend, self._settings)
+        return create_app(self._backend, self._settings, echo_request_id=False)
 
     async def __del__(self) -> None:
         # The app does not own its backend (tests share one); the replica that built it does.

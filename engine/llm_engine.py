@@ -292,11 +292,11 @@ class LLMEngine:
             return FinishReason.STOP
         if sp.stop:
             req.output_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-            for s in sp.stop:
-                cut = req.output_text.find(s)
-                if cut >= 0:
-                    req.output_text = req.output_text[:cut]
-                    return FinishReason.STOP
+            # Cut at the earliest stop string in the text, whichever of them it is.
+            cuts = [c for c in (req.output_text.find(s) for s in sp.stop) if c >= 0]
+            if cuts:
+                req.output_text = req.output_text[: min(cuts)]
+                return FinishReason.STOP
         if req.num_generated_tokens >= sp.max_tokens or req.num_tokens >= self.config.scheduler.max_model_len:
             return FinishReason.LENGTH
         return None

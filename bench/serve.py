@@ -367,6 +367,8 @@ async def run_benchmark(
         raise ValueError(f"priority_format must be 'name' or 'int', got {priority_format!r}")
     if max_connections < 1:
         raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+    if not base_url.startswith(("http://", "https://")):
+        raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
     root = base_url.rstrip("/")
     url = (root if root.endswith("/v1") else root + "/v1") + "/completions"
     outcomes = [
@@ -633,6 +635,8 @@ def run(args: argparse.Namespace) -> int:
     from engine.model_loader import ModelNotFoundError, load_tokenizer
 
     try:
+        if not args.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
         online_share = parse_priority_mix(args.priority_mix)
         tokenizer = load_tokenizer(args.model)
         max_model_len = args.max_model_len or _model_max_len(args.model)
@@ -676,15 +680,15 @@ def run(args: argparse.Namespace) -> int:
     summary = {"workload": args.workload, "base_url": args.base_url, "seed": args.seed} | result.summary()
     summary["prompt_format"] = args.prompt_format
     report = write_report(
-        args.out,
-        f"Online benchmark: {args.workload} at {args.request_rate} req/s",
-        {"summary": summary, "requests": [o.to_dict() for o in result.outcomes]},
-        _table(summary),
+        args.out, f"Online benchmark: {args.workload} at {args.request_rate} req/s", summary, _table(summary)
     )
+    # Per-request measurements go beside the report, one JSON object a line (too many for Markdown).
+    per_request = report.with_suffix(".requests.jsonl")
+    per_request.write_text("".join(json.dumps(o.to_dict()) + "\n" for o in result.outcomes))
     if not args.json:
         for row in _table(summary)[1:]:
             print(f"{row[0]:<22} {row[1]}")
-        print(f"report: {report} and {report.with_suffix('.md')}")
+        print(f"report: {report}, {report.with_suffix('.md')}, {per_request}")
     print(json.dumps(summary))
     return 0
 

@@ -270,7 +270,10 @@ def test_cli_prints_final_json_and_writes_the_report(server, tokenizer, tmp_path
     assert len(app.state.seen) == 12
     assert all(x["body"]["model"] == "default" for x in app.state.seen)
     doc = json.loads(out.with_suffix(".json").read_text())
-    assert doc["result"]["summary"]["completed"] == 12 and len(doc["result"]["requests"]) == 12
+    assert doc["result"]["completed"] == 12
+    rows = [json.loads(x) for x in out.with_suffix(".requests.jsonl").read_text().splitlines()]
+    assert len(rows) == 12 and all(r["success"] and r["meets_slo"] for r in rows)
+    assert sorted(r["input_len"] for r in rows) == sorted(r["server_prompt_tokens"] for r in rows)
     assert "SLO attainment" in out.with_suffix(".md").read_text()
 
 
@@ -291,3 +294,6 @@ def test_cli_json_only_with_token_ids_and_missing_dataset(server, tmp_path: Path
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
     assert "nope.jsonl" in err and "--dataset" in err
+    argv = ["bench", "serve", "--base-url", url.removeprefix("http://"), "--request-rate", "1"]
+    assert cli_main([*argv, "--out", str(tmp_path / "r3")]) == 2
+    assert "--base-url" in capsys.readouterr().err

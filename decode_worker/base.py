@@ -1,0 +1,111 @@
+"""What every worker actor shares: process pinning, the engine, output buffers, stats and the info record."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from decode_worker.config import WorkerConfig
+from decode_worker.heartbeat import Heartbeat, engine_worker_stats, lookup_actor, pin_process
+from engine.llm_engine import LLMEngine
+from engine.output_buffer import OutputBuffers
+from engine.request import RequestOutput
+from monitor.records import WorkerStats
+
+logger = logging.getLogger(__name__)
+
+
+class EngineWorker:
+    role = ""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        if config.role != self.role:
+            raise ValueError(
+                f"WorkerConfig.role must be {self.role!r} for a {type(self).__name__}, got {config.role!r}"
+            )
+        self.config = config
+        pin_process(config.num_threads, config.cpu_affinity)
+        t0 = time.perf_counter()
+        # Warm-up (every shape bucket) happens here, unless the engine config skips it.
+        self.engine = LLMEngine(config.engine)
+        self.startup_s = time.perf_counter() - t0
+        self.outputs = OutputBuffers()
+        self._closed = threading.Event()
+        self._latency_ms: float | None = None
+        self._integrity_error: str | None = None
+        self.heartbeat = Heartbeat(lookup_actor(config.monitor_name), self._stats, config.heartbeat_s)
+
+    def _start(self, loop) -> None:
+        self._thread = threading.Thread(target=loop, name=f"{self.role}-loop", daemon=True)
+        self._thread.start()
+        self.heartbeat.start()
+        logger.info("%s worker %s up in %.1fs", self.role, self.config.worker_id, self.startup_s)
+
+    # ------------------------------------------------------------------ remote API
+    def info(self) -> dict:
+        e = self.engine
+        return {
+            "worker_id": self.config.worker_id,
+            "role": self.role,
+            "warmed": True,
+            "startup_s": self.startup_s,
+            "warmup": dict(e.warmup_report),
+            "kv_blocks_total": e.allocator.num_blocks,
+            "block_size": e.block_size,
+            "max_model_len": e.config.scheduler.max_model_len,
+            "max_num_batched_tokens": e.config.scheduler.max_num_batched_tokens,
+            "shape_config": e.buckets.config,
+            "eos_token_ids": tuple(e.eos_token_ids),
+            "model_path": str(e.loaded.path),
+        }
+
+    def drain(self, consumer_id: str, timeout: float = 0.5, ack: int = -1) -> tuple[int, list[RequestOutput]]:
+        """Every output for this consumer not yet acknowledged; waits up to ``timeout`` when there is none."""
+        return self.outputs.drain(consumer_id, timeout, ack)
+
+    def stats(self) -> dict:
+        a = self.engine.allocator
+        return {
+            "worker_id": self.config.worker_id,
+            "role": self.role,
+            "kv_blocks_total": a.num_blocks,
+            "kv_blocks_free": a.num_free,
+            "kv_blocks_used": a.num_used,
+            "running": len(self.engine.running),
+            "integrity_error": self._integrity_error,
+            "runtime_compilations": self.engine.runner.runtime_compilations,
+            **self.engine.stats,
+        }
+
+    def _close(self) -> None:
+        self._closed.set()
+        self.heartbeat.close()
+        self.outputs.wake()
+
+    # ------------------------------------------------------------------ helpers
+    def _timed_step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        outs = self.engine.step()
+        ms = (time.perf_counter() - t0) * 1e3
+        self._latency_ms = ms if self._latency_ms is None else 0.8 * self._latency_ms + 0.2 * ms
+        return outs
+
+    def _check_integrity(self) -> bool:
+        """free + used == total and no block held twice; False (and logged) when not."""
+        try:
+            self.engine.check_integrity()
+        except AssertionError as e:
+            self._integrity_error = str(e)
+            logger.error("%s: KV integrity check failed: %s", self.config.worker_id, e)
+            return False
+        self._integrity_error = None
+        return True
+
+    def _queue_len(self) -> int:
+        return len(self.engine.waiting)
+
+    def _stats(self) -> WorkerStats:
+        return engine_worker_stats(
+            self.engine, self.config.worker_id, self.role, True, self._latency_ms, self._queue_len()
+        )

@@ -1,0 +1,104 @@
+"""The colocated worker: one engine does prefill and decode with continuous batching, no KV transfer.
+
+The baseline the disaggregated cluster is measured against, and a sensible choice for one small device. It
+speaks the same output protocol as the decode worker (per-consumer buffers drained by long-poll).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+from decode_worker.base import EngineWorker
+from decode_worker.config import WorkerConfig
+from engine.llm_engine import RequestRejected
+from engine.messages import RequestMessage
+from engine.request import FinishReason, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ColocatedWorker(EngineWorker):
+    role = "colocated"
+
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        self._inbox: queue.SimpleQueue[tuple[str, object, threading.Event | None]] = queue.SimpleQueue()
+        self._consumer: dict[str, str] = {}
+        self._start(self._loop)
+
+    # ------------------------------------------------------------------ remote API
+    def submit(self, msg: RequestMessage) -> None:
+        self._inbox.put(("add", msg, None))
+
+    def abort(self, request_id: str, wait_s: float = 2.0) -> bool:
+        done = threading.Event()
+        self._inbox.put(("abort", request_id, done))
+        return done.wait(wait_s)
+
+    def stats(self) -> dict:
+        return {**super().stats(), "waiting": len(self.engine.waiting)}
+
+    def shutdown(self) -> None:
+        self._close()
+        self._thread.join(timeout=5)
+
+    # ------------------------------------------------------------------ loop
+    def _loop(self) -> None:
+        idle_checked = False
+        while not self._closed.is_set():
+            try:
+                self._take_inbox(0.0 if self.engine.has_unfinished() else 0.01)
+                if self.engine.has_unfinished():
+                    idle_checked = False
+                    self._step()
+                elif not idle_checked:
+                    self._check_integrity()
+                    idle_checked = True
+            except Exception:
+                logger.exception("colocated loop error")
+                time.sleep(0.05)
+
+    def _take_inbox(self, timeout: float) -> None:
+        try:
+            item = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, payload: object, done: threading.Event | None) -> None:
+        if kind == "add":
+            assert isinstance(payload, RequestMessage)
+            try:
+                self.engine.add_request(payload.to_request())
+                self._consumer[payload.request_id] = payload.consumer_id
+            except (RequestRejected, ValueError) as e:
+                err = RequestOutput(
+                    payload.request_id, [], [], True, FinishReason.ERROR, payload.num_prompt_tokens, 0, str(e)
+                )
+                self.outputs.put(payload.consumer_id, [err])
+        else:
+            assert isinstance(payload, str)
+            self.engine.abort(payload)
+            self._consumer.pop(payload, None)
+            if done is not None:
+                done.set()
+
+    def _step(self) -> None:
+        outs = self._timed_step()
+        routed = []
+        for out in outs:
+            consumer = self._consumer.get(out.request_id)
+            if out.finished:
+                self._consumer.pop(out.request_id, None)
+            if consumer is not None:
+                routed.append((consumer, out))
+        self.outputs.put_many(routed)
+        self.heartbeat.push()

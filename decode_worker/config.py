@@ -1,0 +1,50 @@
+"""Configuration of one worker actor (prefill, decode or colocated): frozen, validated, errors name the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from kv_transfer.config import TransferConfig
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker_id: str
+    role: str
+    engine: EngineConfig
+    kv_transport: str = "grpc"
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    # Named actors this worker reports to (looked up in the worker's Ray namespace); None: no reporting.
+    monitor_name: str | None = None
+    controller_name: str | None = None
+    # torch intra-op threads; one per core the worker owns keeps prefill and decode from fighting.
+    num_threads: int = 1
+    # CPU cores to pin the worker process to (Linux); empty: no pinning.
+    cpu_affinity: tuple[int, ...] = ()
+    # Seconds between stats reports to the monitor (also sent after each batch, at most this often).
+    heartbeat_s: float = 0.5
+    # How long a decode worker keeps the id of an aborted request, so KV that arrives late is freed.
+    tombstone_ttl_s: float = 120.0
+    # Prefill: sender threads moving KV to decode workers while the next batch runs.
+    num_senders: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.worker_id, str) or not self.worker_id:
+            raise ValueError(f"WorkerConfig.worker_id must be a non-empty string, got {self.worker_id!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"WorkerConfig.role must be one of {ROLES}, got {self.role!r}")
+        if not isinstance(self.engine, EngineConfig):
+            raise ValueError(f"WorkerConfig.engine must be an EngineConfig, got {type(self.engine).__name__}")
+        for name in ("num_threads", "num_senders"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"WorkerConfig.{name} must be an int >= 1, got {value!r}")
+        for name in ("heartbeat_s", "tombstone_ttl_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"WorkerConfig.{name} must be > 0, got {value!r}")
+        if any(not isinstance(c, int) or c < 0 for c in self.cpu_affinity):
+            raise ValueError(f"WorkerConfig.cpu_affinity must be core ids >= 0, got {self.cpu_affinity!r}")

@@ -1,0 +1,94 @@
+"""Process set-up and stats reporting shared by every worker actor."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import ray
+import torch
+
+from monitor.records import WorkerStats
+
+logger = logging.getLogger(__name__)
+
+
+def pin_process(num_threads: int, cpu_affinity: tuple[int, ...]) -> None:
+    """Give this worker its own compute: torch threads, and the cores it may run on (Linux only)."""
+    torch.set_num_threads(num_threads)
+    if cpu_affinity and hasattr(os, "sched_setaffinity"):
+        usable = set(range(os.cpu_count() or 1))
+        cores = {c for c in cpu_affinity if c in usable}
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+
+def lookup_actor(name: str | None):
+    if name is None:
+        return None
+    try:
+        return ray.get_actor(name)
+    except ValueError:
+        logger.warning("actor %r not found; not reporting to it", name)
+        return None
+
+
+class Heartbeat:
+    """Pushes a worker's :class:`WorkerStats` to the monitor every ``interval_s`` and, rate-limited, on demand
+    (after a batch), so the controller sizes batches from figures at most ``interval_s`` old."""
+
+    def __init__(self, monitor, stats_fn: Callable[[], WorkerStats], interval_s: float) -> None:
+        self.monitor = monitor
+        self.stats_fn = stats_fn
+        self.interval_s = interval_s
+        self._last = 0.0
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.monitor is None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._closed.wait(self.interval_s):
+            self.push(force=True)
+
+    def push(self, force: bool = False) -> None:
+        if self.monitor is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < self.interval_s / 4:
+            return
+        self._last = now
+        try:
+            self.monitor.report_worker.remote(self.stats_fn())
+        except Exception as e:  # a monitor restart must not take a worker down
+            logger.warning("stats report failed: %s", e)
+
+    def close(self) -> None:
+        self._closed.set()
+
+
+def engine_worker_stats(
+    engine, worker_id: str, role: str, warmed: bool, batch_latency_ms: float | None, queue_len: int
+) -> WorkerStats:
+    s = engine.worker_stats()
+    return WorkerStats(
+        worker_id=worker_id,
+        role=role,  # type: ignore[arg-type]
+        free_memory_bytes=int(s["free_device_memory"]),
+        kv_blocks_total=int(s["kv_blocks_total"]),
+        kv_blocks_used=int(s["kv_blocks_used"]),
+        kv_blocks_free=int(s["kv_blocks_free"]),
+        queue_len=queue_len,
+        running=int(s["running"]),
+        batch_latency_ms=batch_latency_ms,
+        runtime_compilations=int(s["runtime_compilations"]),
+        warmed=warmed,
+        timestamp=time.time(),
+    )

@@ -1,0 +1,190 @@
+"""The decode worker: receives prefilled requests' KV and runs continuous batching over decode buckets.
+
+A plain class; the cluster launcher turns it into a threaded Ray actor (``ray.remote(...)`` with
+``max_concurrency``) so ``drain`` long-polls, ``expect`` and ``abort`` are served while the loop thread steps.
+
+Only the loop thread touches the engine; other threads hand it aborts through a queue. A request arrives in
+two parts: the prefill worker first announces it with :meth:`expect` (metadata, first token, blocks it will
+need) and then sends the KV through the transport; the loop joins them and ``admit_prefilled`` s the request
+into the running batch at the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+from decode_worker.base import EngineWorker
+from decode_worker.config import WorkerConfig
+from engine.messages import PrefilledMessage
+from kv_transfer import ReceivedKV, create_transport
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeWorker(EngineWorker):
+    role = "decode"
+
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        self.transport = create_transport(
+            config.kv_transport, self.engine.kv_cache, self.engine.allocator, config.transfer
+        )
+        self.address = self.transport.serve()
+        self._lock = threading.Lock()  # guards the dicts below (not the engine: only the loop uses it)
+        self._expected: dict[str, PrefilledMessage] = {}
+        self._reserved: dict[str, int] = {}  # request id -> blocks it may grow to (prompt + max_tokens)
+        self._consumer: dict[str, str] = {}  # request id -> consumer that drains its outputs
+        self._orphans: dict[str, tuple[ReceivedKV, float]] = {}  # KV that came before its announcement
+        self._tombstones: dict[str, float] = {}
+        self._aborts: queue.SimpleQueue[tuple[str, threading.Event]] = queue.SimpleQueue()
+        self._start(self._loop)
+
+    # ------------------------------------------------------------------ remote API
+    def info(self) -> dict:
+        return {**super().info(), "address": self.address}
+
+    def expect(self, msg: PrefilledMessage, need_blocks: int) -> bool:
+        """Announce a prefilled request whose KV follows. False (full): send it elsewhere."""
+        rid = msg.request.request_id
+        with self._lock:
+            if rid in self._tombstones:
+                return False
+            if need_blocks > self._available_blocks():
+                return False
+            self._expected[rid] = msg
+            self._reserved[rid] = need_blocks
+            self._consumer[rid] = msg.request.consumer_id
+        return True
+
+    def forget(self, request_id: str) -> None:
+        """Drop an announcement whose KV will not come (the transfer failed; the request is recomputed)."""
+        with self._lock:
+            self._expected.pop(request_id, None)
+            self._reserved.pop(request_id, None)
+            self._consumer.pop(request_id, None)
+
+    def abort(self, request_id: str, wait_s: float = 2.0) -> bool:
+        """Drop the request wherever it is here (in flight, announced, running); waits until its blocks are free."""
+        with self._lock:
+            self._tombstones[request_id] = time.monotonic()
+        self.transport.abort(request_id, "aborted by client")
+        done = threading.Event()
+        self._aborts.put((request_id, done))
+        return done.wait(wait_s)
+
+    def stats(self) -> dict:
+        return {**super().stats(), "expected": len(self._expected), "transport": self.transport.stats()}
+
+    def shutdown(self) -> None:
+        self._close()
+        self._thread.join(timeout=5)
+        self.transport.close()
+
+    # ------------------------------------------------------------------ loop
+    def _available_blocks(self) -> int:
+        """Free blocks not yet promised to announced or running requests (caller holds the lock)."""
+        held = {r.request_id: len(r.block_ids) for r in list(self.engine.running)}
+        promised = sum(max(0, need - held.get(rid, 0)) for rid, need in self._reserved.items())
+        return self.engine.allocator.num_free - promised
+
+    def _loop(self) -> None:
+        idle_checked = False
+        while not self._closed.is_set():
+            try:
+                self._apply_aborts()
+                busy = self.engine.has_unfinished()
+                self._admit(0.0 if busy else 0.01)
+                if self.engine.has_unfinished():
+                    idle_checked = False
+                    self._step()
+                elif not idle_checked and self._idle():
+                    self._check_integrity()
+                    idle_checked = True
+                self._expire()
+            except Exception:  # keep serving the other requests; the error is in the log
+                logger.exception("decode loop error")
+                time.sleep(0.05)
+
+    def _idle(self) -> bool:
+        with self._lock:
+            return not self._expected and not self._orphans and self.transport.receiver.is_idle()
+
+    def _step(self) -> None:
+        outs = self._timed_step()
+        routed = []
+        with self._lock:
+            for out in outs:
+                consumer = self._consumer.get(out.request_id)
+                if out.finished:
+                    self._consumer.pop(out.request_id, None)
+                    self._reserved.pop(out.request_id, None)
+                if consumer is not None:
+                    routed.append((consumer, out))
+        self.outputs.put_many(routed)
+        self.heartbeat.push()
+
+    def _admit(self, timeout: float) -> None:
+        kv = self.transport.receive(timeout)
+        while kv is not None:
+            self._join(kv)
+            kv = self.transport.receive(0.0)
+        with self._lock:
+            ready = [rid for rid in self._orphans if rid in self._expected]
+        for rid in ready:
+            kv, _ = self._orphans.pop(rid)
+            self._join(kv)
+
+    def _join(self, kv: ReceivedKV) -> None:
+        rid = kv.request_id
+        with self._lock:
+            if rid in self._tombstones:
+                self.engine.allocator.free(kv.block_ids)
+                return
+            msg = self._expected.pop(rid, None)
+            if msg is None:
+                self._orphans[rid] = (kv, time.monotonic())
+                return
+        req = msg.to_request(kv.block_ids, kv.num_tokens)
+        self.engine.admit_prefilled(req)
+
+    def _apply_aborts(self) -> None:
+        while True:
+            try:
+                rid, done = self._aborts.get_nowait()
+            except queue.Empty:
+                return
+            self.engine.abort(rid)
+            self.transport.abort(rid, "aborted by client")
+            with self._lock:
+                self._expected.pop(rid, None)
+                self._reserved.pop(rid, None)
+                self._consumer.pop(rid, None)
+                orphan = self._orphans.pop(rid, None)
+            if orphan is not None:
+                self.engine.allocator.free(orphan[0].block_ids)
+            done.set()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            ttl = self.config.tombstone_ttl_s
+            for rid in [r for r, t in self._tombstones.items() if now - t > ttl]:
+                del self._tombstones[rid]
+            # KV whose announcement never came (its sender died between the two): free it.
+            stale = [
+                r for r, (_, t) in self._orphans.items() if now - t > self.config.transfer.receive_timeout_s
+            ]
+            freed = [self._orphans.pop(r)[0] for r in stale]
+        for kv in freed:
+            self.engine.allocator.free(kv.block_ids)
+
+    def _check_integrity(self) -> None:
+        if not super()._check_integrity() and not self._idle():
+            self._integrity_error = None  # a transfer started meanwhile and holds blocks: not a leak
+
+    def _queue_len(self) -> int:
+        with self._lock:
+            return len(self._expected)

@@ -1,0 +1,255 @@
+"""Launching the Ray side of the cluster: monitor, controller and workers as named actors.
+
+``launch_cluster`` starts them and waits until every worker has loaded and warmed its model;
+``connect_cluster`` finds an already running cluster by its actor names (a Ray Serve replica does this).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import ray
+
+from bucket_manager.controller import Controller, ControllerConfig
+from bucket_manager.priority import PriorityPolicy
+from decode_worker.colocated import ColocatedWorker
+from decode_worker.config import WorkerConfig
+from decode_worker.worker import DecodeWorker
+from engine.config import EngineConfig
+from kv_transfer.config import TransferConfig
+from monitor import Monitor, MonitorConfig
+from prefill_worker.worker import PrefillWorker
+
+logger = logging.getLogger(__name__)
+
+MODES = ("disaggregated", "colocated")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    mode: str = "disaggregated"
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    # Colocated mode: how many colocated workers.
+    colocated_workers: int = 1
+    kv_transport: str = "grpc"
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    policy: PriorityPolicy = field(default_factory=PriorityPolicy)
+    # Ray: None starts a local cluster in-process; "auto" or "ray://host:port" joins one.
+    ray_address: str | None = None
+    ray_num_cpus: int | None = None
+    namespace: str = "bucketserve"
+    # Prefix of every actor name, so two clusters can share one Ray namespace.
+    name: str = "bucketserve"
+    # Ray CPUs per worker actor; torch threads per worker; pin prefill and decode to separate cores.
+    worker_num_cpus: float = 1.0
+    num_threads: int = 1
+    pin_cores: bool = True
+    # Admission bound: requests in flight through one gateway beyond this get 429.
+    max_pending: int = 256
+    max_batches_per_prefill_worker: int = 2
+    # Long-poll timeout of the gateway's output drain calls.
+    drain_timeout_s: float = 0.5
+    # Seconds to wait for the workers to load and warm up.
+    startup_timeout_s: float = 900.0
+    # The model id clients send; None: the engine's model name.
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"ClusterConfig.mode must be one of {MODES}, got {self.mode!r}")
+        for name in (
+            "prefill_workers",
+            "decode_workers",
+            "colocated_workers",
+            "num_threads",
+            "max_pending",
+            "max_batches_per_prefill_worker",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ClusterConfig.{name} must be an int >= 1, got {value!r}")
+        for name in ("worker_num_cpus", "drain_timeout_s", "startup_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"ClusterConfig.{name} must be > 0, got {value!r}")
+        if self.ray_num_cpus is not None and (
+            not isinstance(self.ray_num_cpus, int) or self.ray_num_cpus < 1
+        ):
+            raise ValueError(f"ClusterConfig.ray_num_cpus must be an int >= 1, got {self.ray_num_cpus!r}")
+        if not self.name or not self.namespace:
+            raise ValueError("ClusterConfig.name and ClusterConfig.namespace must be non-empty")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.engine.model
+
+    def actor_name(self, role: str, index: int | None = None) -> str:
+        return f"{self.name}:{role}" if index is None else f"{self.name}:{role}-{index}"
+
+    def worker_ids(self) -> list[tuple[str, str]]:
+        """(role, actor name) of every worker."""
+        if self.mode == "colocated":
+            return [("colocated", self.actor_name("colocated", i)) for i in range(self.colocated_workers)]
+        return [("prefill", self.actor_name("prefill", i)) for i in range(self.prefill_workers)] + [
+            ("decode", self.actor_name("decode", i)) for i in range(self.decode_workers)
+        ]
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+
+@dataclass
+class ClusterHandles:
+    config: ClusterConfig
+    monitor: Any
+    controller: Any | None
+    workers: dict[str, tuple[str, Any]]  # actor name -> (role, handle)
+    infos: dict[str, dict]
+    launched: bool
+    startup_s: float = 0.0
+
+    def by_role(self, role: str) -> dict[str, Any]:
+        return {n: h for n, (r, h) in self.workers.items() if r == role}
+
+
+def ensure_ray(config: ClusterConfig) -> None:
+    if ray.is_initialized():
+        return
+    kwargs: dict[str, Any] = {
+        "namespace": config.namespace,
+        "include_dashboard": False,
+        "log_to_driver": True,
+    }
+    if config.ray_address is not None:
+        ray.init(address=config.ray_address, **kwargs)
+    else:
+        # Room for every worker plus the gateway, whatever the core count of this machine.
+        needed = int(len(config.worker_ids()) * config.worker_num_cpus) + 2
+        ray.init(num_cpus=config.ray_num_cpus or max(os.cpu_count() or 1, needed), **kwargs)
+
+
+def _cores(role: str, index: int, config: ClusterConfig) -> tuple[int, ...]:
+    """Prefill workers take cores from the front, decode workers from the back, so they never share one."""
+    if not config.pin_cores:
+        return ()
+    n = os.cpu_count() or 1
+    if role == "prefill":
+        return (index % n,)
+    if role == "decode":
+        return ((n - 1 - index) % n,)
+    return ()
+
+
+_CLASSES = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker}
+
+
+def launch_cluster(config: ClusterConfig) -> ClusterHandles:
+    """Start monitor, workers and controller; return when every worker has loaded and warmed its model."""
+    ensure_ray(config)
+    t0 = time.perf_counter()
+    ns = config.namespace
+    monitor = (
+        ray.remote(Monitor)
+        .options(name=config.actor_name("monitor"), namespace=ns, num_cpus=0, max_concurrency=8)
+        .remote(config.monitor)
+    )
+    workers: dict[str, tuple[str, Any]] = {}
+    counts: dict[str, int] = {}
+    controller_name = config.actor_name("controller") if config.mode == "disaggregated" else None
+    for role, name in config.worker_ids():
+        index = counts.get(role, 0)
+        counts[role] = index + 1
+        wcfg = WorkerConfig(
+            worker_id=name,
+            role=role,
+            engine=config.engine,
+            kv_transport=config.kv_transport,
+            transfer=config.transfer,
+            monitor_name=config.actor_name("monitor"),
+            controller_name=controller_name,
+            num_threads=config.num_threads,
+            cpu_affinity=_cores(role, index, config),
+        )
+        handle = (
+            ray.remote(_CLASSES[role])
+            .options(name=name, namespace=ns, num_cpus=config.worker_num_cpus, max_concurrency=64)
+            .remote(wcfg)
+        )
+        workers[name] = (role, handle)
+    refs = {name: h.info.remote() for name, (_, h) in workers.items()}
+    infos: dict[str, dict] = {}
+    for name, ref in refs.items():
+        infos[name] = ray.get(ref, timeout=config.startup_timeout_s)
+        logger.info(
+            "%s up and warmed in %.1fs (%d KV blocks)",
+            name,
+            infos[name]["startup_s"],
+            infos[name]["kv_blocks_total"],
+        )
+    controller = None
+    if config.mode == "disaggregated":
+        first = next(iter(infos.values()))
+        ccfg = ControllerConfig(
+            block_size=first["block_size"],
+            max_model_len=first["max_model_len"],
+            max_num_batched_tokens=first["max_num_batched_tokens"],
+            shape_config=first["shape_config"],
+            monitor_name=config.actor_name("monitor"),
+            policy=config.policy,
+            max_batches_per_prefill_worker=config.max_batches_per_prefill_worker,
+        )
+        controller = (
+            ray.remote(Controller)
+            .options(name=controller_name, namespace=ns, num_cpus=0, max_concurrency=1000)
+            .remote(ccfg)
+        )
+        prefill = {n: (h, infos[n]["kv_blocks_total"]) for n, (r, h) in workers.items() if r == "prefill"}
+        decode = {n: (h, infos[n]["kv_blocks_total"]) for n, (r, h) in workers.items() if r == "decode"}
+        ray.get(controller.register_workers.remote(prefill, decode))
+        peers = {n: (h, infos[n]["address"]) for n, (h, _) in decode.items()}
+        ray.get([h.set_decode_workers.remote(peers) for h, _ in prefill.values()])
+    handles = ClusterHandles(config, monitor, controller, workers, infos, True, time.perf_counter() - t0)
+    logger.info("cluster %r (%s) ready in %.1fs", config.name, config.mode, handles.startup_s)
+    return handles
+
+
+def connect_cluster(config: ClusterConfig) -> ClusterHandles:
+    """Find a running cluster's actors by name (every worker must be up)."""
+    ensure_ray(config)
+    ns = config.namespace
+    monitor = ray.get_actor(config.actor_name("monitor"), namespace=ns)
+    controller = (
+        ray.get_actor(config.actor_name("controller"), namespace=ns)
+        if config.mode == "disaggregated"
+        else None
+    )
+    workers = {name: (role, ray.get_actor(name, namespace=ns)) for role, name in config.worker_ids()}
+    infos = {
+        name: ray.get(h.info.remote(), timeout=config.startup_timeout_s) for name, (_, h) in workers.items()
+    }
+    return ClusterHandles(config, monitor, controller, workers, infos, False)
+
+
+def stop_cluster(handles: ClusterHandles) -> None:
+    for _, h in handles.workers.values():
+        try:
+            ray.get(h.shutdown.remote(), timeout=10)
+        except Exception as e:  # already gone
+            logger.debug("worker shutdown: %s", e)
+    for _, h in handles.workers.values():
+        ray.kill(h)
+    if handles.controller is not None:
+        ray.kill(handles.controller)
+    ray.kill(handles.monitor)
+
+
+def with_engine(config: ClusterConfig, **engine_changes: Any) -> ClusterConfig:
+    return replace(config, engine=replace(config.engine, **engine_changes))

@@ -1,0 +1,282 @@
+"""``RayClusterBackend``: the gateway's view of the Ray cluster (controller, prefill/decode or colocated
+workers, monitor).
+
+Outputs come back by long-poll: one task per worker calls ``drain(consumer_id)`` and fans the outputs out to
+the per-request streams, so the hot path costs one Ray call per worker step, not one per token per request.
+In disaggregated mode a request's first token comes from its prefill worker and the rest from its decode
+worker; each stream puts them in order by token index (and drops a first token sampled again after a
+re-plan).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from bucket_manager.memory_budget import safe_blocks
+from bucket_manager.request import PriorityClass as SummaryClass
+from bucket_manager.request import RequestSummary
+from engine.messages import RequestMessage
+from engine.request import FinishReason, Request, RequestOutput
+from gateway.backend import ModelInfo, Overloaded, Rejected, ServingBackend, Unavailable
+from gateway.cluster import ClusterConfig, ClusterHandles, connect_cluster, launch_cluster, stop_cluster
+from monitor.records import RequestRecord
+
+logger = logging.getLogger(__name__)
+
+
+class _Stream:
+    """One request's outputs, in token order, whichever worker they came from."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.delivered = 0
+        self.pending: dict[int, RequestOutput] = {}
+        self.worker: Any = None  # colocated mode: the worker that runs it
+
+    def push(self, out: RequestOutput) -> None:
+        n = len(out.new_token_ids)
+        if n == 0:  # an error or abort without tokens: ends the stream now
+            self.queue.put_nowait(out)
+            return
+        start = out.num_generated_tokens - n
+        if start > self.delivered:
+            self.pending[start] = out  # the decode worker overtook the prefill worker's first token
+            return
+        if start + n <= self.delivered:
+            return  # sampled again after a re-plan: already sent
+        skip = self.delivered - start
+        if skip:
+            out = dataclasses.replace(
+                out, new_token_ids=out.new_token_ids[skip:], new_logprobs=out.new_logprobs[skip:]
+            )
+        self.queue.put_nowait(out)
+        self.delivered = out.num_generated_tokens
+        nxt = self.pending.pop(self.delivered, None)
+        if nxt is not None:
+            self.push(nxt)
+
+
+class RayClusterBackend(ServingBackend):
+    """``launch=True`` starts the cluster's actors (and Ray, when it is not running); ``launch=False`` connects
+    to a cluster already started under the same names (a Ray Serve replica)."""
+
+    def __init__(self, config: ClusterConfig, launch: bool = True) -> None:
+        self.config = config
+        self.handles: ClusterHandles = launch_cluster(config) if launch else connect_cluster(config)
+        info = next(iter(self.handles.infos.values()))
+        self._info = ModelInfo(
+            name=config.model_name,
+            path=info["model_path"],
+            max_model_len=info["max_model_len"],
+            eos_token_ids=tuple(info["eos_token_ids"]),
+        )
+        self._block_size = int(info["block_size"])
+        role = "colocated" if config.mode == "colocated" else "decode"
+        self._decode_capacity = min(
+            safe_blocks(i["kv_blocks_total"]) for i in self.handles.infos.values() if i["role"] == role
+        )
+        self.consumer_id = f"gw-{uuid.uuid4().hex[:12]}"
+        self._streams: dict[str, _Stream] = {}
+        self._pollers: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._down: set[str] = set()
+        self._background: set[asyncio.Task] = set()
+        # Per worker: the sequence number of the last drain answer received (acknowledged with the next call).
+        self._acks: dict[str, int] = {}
+        self._closed = False
+
+    @property
+    def startup_s(self) -> float:
+        return self.handles.startup_s
+
+    # ------------------------------------------------------------------ ServingBackend
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    def _check(self, req: Request) -> None:
+        if self._closed:
+            raise Unavailable("the cluster is shutting down")
+        limit = self._info.max_model_len
+        n = req.num_prompt_tokens
+        if n >= limit:
+            raise Rejected(f"prompt has {n} tokens; max_model_len is {limit} (prompt + max_tokens must fit)")
+        if n + req.sampling.max_tokens > limit:
+            raise Rejected(
+                f"max_tokens is {req.sampling.max_tokens} but the prompt has {n} tokens; prompt + max_tokens "
+                f"must be <= max_model_len ({limit})"
+            )
+        need = -(-(n + req.sampling.max_tokens) // self._block_size)
+        if need > self._decode_capacity:
+            raise Rejected(
+                f"prompt + max_tokens needs {need} KV blocks; a worker's cache holds {self._decode_capacity}"
+            )
+        if req.request_id in self._streams:
+            raise Rejected(f"request id {req.request_id!r} is already in flight")
+        if len(self._streams) >= self.config.max_pending:
+            raise Overloaded(
+                f"{len(self._streams)} requests in flight (limit {self.config.max_pending})", 1.0
+            )
+
+    async def generate(self, req: Request) -> AsyncIterator[RequestOutput]:
+        self._check(req)
+        self._ensure_pollers()
+        rid = req.request_id
+        stream = _Stream()
+        self._streams[rid] = stream
+        finished = False
+        try:
+            msg = RequestMessage.from_request(req, self.consumer_id)
+            await self._submit(msg, stream)
+            while True:
+                out = await stream.queue.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    break
+        finally:
+            self._streams.pop(rid, None)
+            # Clean up in a task: this may run while the caller's task is being cancelled.
+            cleanup = self._release(rid) if finished else self._abort_placed(rid, stream)
+            task = asyncio.get_running_loop().create_task(cleanup)
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _submit(self, msg: RequestMessage, stream: _Stream) -> None:
+        if self.config.mode == "colocated":
+            workers = list(self.handles.by_role("colocated").items())
+            live = [(n, h) for n, h in workers if n not in self._down] or workers
+            # Fewest requests of this gateway in flight: a cheap local proxy of the worker's load.
+            load = {n: 0 for n, _ in live}
+            for s in self._streams.values():
+                for n, h in live:
+                    if s.worker is h:
+                        load[n] += 1
+            name, handle = min(live, key=lambda nh: load[nh[0]])
+            stream.worker = handle
+            await handle.submit.remote(msg)
+            return
+        summary = RequestSummary(
+            request_id=msg.request_id,
+            prompt_len=msg.num_prompt_tokens,
+            max_tokens=msg.sampling.max_tokens,
+            priority_class=SummaryClass(msg.priority_class),
+            # The engine's priority_level is "higher = more urgent"; the controller's is "smaller first".
+            priority=-msg.priority_level,
+            arrival=msg.arrival_unix,
+            ttft_slo_ms=msg.slo_ttft_ms,
+            tpot_slo_ms=msg.slo_tpot_ms,
+        )
+        await self.handles.controller.submit.remote(summary, msg)
+
+    async def _release(self, rid: str) -> None:
+        if self.handles.controller is not None:
+            with contextlib.suppress(Exception):
+                await self.handles.controller.release.remote(rid)
+
+    async def _abort_placed(self, rid: str, stream: _Stream | None) -> None:
+        try:
+            if self.handles.controller is not None:
+                await self.handles.controller.abort.remote(rid)
+            elif stream is not None and stream.worker is not None:
+                await stream.worker.abort.remote(rid)
+            else:
+                await asyncio.gather(
+                    *(h.abort.remote(rid) for h in self.handles.by_role("colocated").values()),
+                    return_exceptions=True,
+                )
+        except Exception as e:
+            logger.warning("abort of %s failed: %s", rid, e)
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.queue.put_nowait(
+                RequestOutput(request_id, [], [], True, FinishReason.ABORT, 0, stream.delivered)
+            )
+        await self._abort_placed(request_id, stream)
+
+    async def health(self) -> dict:
+        async def probe(name: str, role: str, handle: Any) -> dict:
+            try:
+                info = await asyncio.wait_for(handle.info.remote(), 5.0)
+                return {"id": name, "role": role, "up": True, "warmed": bool(info.get("warmed"))}
+            except Exception as e:
+                return {"id": name, "role": role, "up": False, "warmed": False, "error": type(e).__name__}
+
+        rows = await asyncio.gather(*(probe(n, r, h) for n, (r, h) in self.handles.workers.items()))
+        controller_up = True
+        if self.handles.controller is not None:
+            try:
+                await asyncio.wait_for(self.handles.controller.state.remote(), 5.0)
+            except Exception:
+                controller_up = False
+        ready = not self._closed and controller_up and all(r["up"] and r["warmed"] for r in rows)
+        return {
+            "ready": ready,
+            "mode": self.config.mode,
+            "model": self._info.name,
+            "controller_up": controller_up,
+            "workers": list(rows),
+            "in_flight": len(self._streams),
+        }
+
+    async def metrics_text(self) -> str:
+        return await self.handles.monitor.metrics_text.remote(self._info.name)
+
+    async def dashboard_data(self, window_s: float) -> dict:
+        return await self.handles.monitor.dashboard_data.remote(window_s)
+
+    async def record(self, rec: RequestRecord) -> None:
+        await self.handles.monitor.record_request.remote(rec)
+
+    async def worker_stats(self) -> dict[str, dict]:
+        """Each worker's own figures (KV blocks free/used/total, ...), read directly."""
+        names = list(self.handles.workers)
+        stats = await asyncio.gather(*(self.handles.workers[n][1].stats.remote() for n in names))
+        return dict(zip(names, stats, strict=True))
+
+    async def shutdown(self) -> None:
+        self._closed = True
+        for t in self._pollers:
+            t.cancel()
+        self._pollers = []
+        if self.handles.launched:
+            await asyncio.get_running_loop().run_in_executor(None, stop_cluster, self.handles)
+
+    # ------------------------------------------------------------------ output collection
+    def _ensure_pollers(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and self._pollers:
+            return
+        # A new event loop (tests, a restarted replica): the old tasks died with the old loop.
+        self._loop = loop
+        self._pollers = [loop.create_task(self._poll(n, h)) for n, (_, h) in self.handles.workers.items()]
+
+    async def _poll(self, name: str, handle: Any) -> None:
+        while not self._closed:
+            try:
+                ack = self._acks.get(name, -1)
+                seq, outs = await handle.drain.remote(self.consumer_id, self.config.drain_timeout_s, ack)
+                self._acks[name] = seq
+                self._down.discard(name)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if name not in self._down:
+                    logger.error("worker %s unreachable: %s", name, e)
+                    self._down.add(name)
+                    if self.handles.controller is not None:
+                        with contextlib.suppress(Exception):
+                            self.handles.controller.mark_down.remote(name)
+                await asyncio.sleep(1.0)
+                continue
+            for out in outs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.push(out)

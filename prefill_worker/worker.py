@@ -1,0 +1,243 @@
+"""The prefill worker: FCFS queue of bucketed prompt batches; computes KV and the first token, then hands each
+request's blocks to its decode worker through the KV transport.
+
+A plain class; the cluster launcher makes it a threaded Ray actor. The loop thread runs batches one after the
+other (FCFS: the controller already ordered them); sender threads move KV while the next batch runs. The first
+token goes straight to the gateway (through :meth:`drain`), so the time to first token does not wait for the
+transfer.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import ray
+
+from decode_worker.base import EngineWorker
+from decode_worker.config import WorkerConfig
+from decode_worker.heartbeat import lookup_actor
+from engine.messages import PrefilledMessage, RequestMessage
+from engine.request import FinishReason, Request, RequestOutput
+from kv_transfer import KVTransferError, create_transport
+from monitor.records import BatchRecord
+
+logger = logging.getLogger(__name__)
+
+# How long a batch may wait for blocks still leased to transfers before it is given back for re-planning.
+BLOCK_WAIT_S = 30.0
+EXPECT_TIMEOUT_S = 30.0
+
+
+class PrefillWorker(EngineWorker):
+    role = "prefill"
+
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        self.transport = create_transport(
+            config.kv_transport, self.engine.kv_cache, self.engine.allocator, config.transfer
+        )
+        self._cond = threading.Condition()
+        self._queue: collections.deque[tuple[int, list[tuple[RequestMessage, str]]]] = collections.deque()
+        self._in_progress = 0  # batches taken off the queue whose transfers are not all done
+        self._peers: dict[str, tuple[object, str]] = {}  # decode worker id -> (actor handle, KV address)
+        self._tombstones: dict[str, float] = {}
+        self._controller = None
+        self._senders = ThreadPoolExecutor(config.num_senders, thread_name_prefix="kv-send")
+        self._monitor = self.heartbeat.monitor
+        self._start(self._loop)
+
+    # ------------------------------------------------------------------ remote API
+    def set_decode_workers(self, peers: dict[str, tuple[object, str]]) -> None:
+        with self._cond:
+            self._peers = dict(peers)
+
+    def enqueue(self, batch_id: int, items: list[tuple[RequestMessage, str]]) -> None:
+        """A batch planned by the controller: (request, decode worker id) pairs, run after those queued."""
+        with self._cond:
+            self._queue.append((batch_id, list(items)))
+            self._cond.notify_all()
+
+    def abort(self, request_id: str) -> bool:
+        """Forget the request: dropped if still queued, its blocks freed if its KV is being sent."""
+        with self._cond:
+            self._tombstones[request_id] = time.monotonic()
+        return self.transport.abort(request_id, "aborted by client")
+
+    def stats(self) -> dict:
+        with self._cond:
+            queued = len(self._queue)
+        return {
+            **super().stats(),
+            "queued_batches": queued,
+            "in_progress": self._in_progress,
+            "transport": self.transport.stats(),
+        }
+
+    def shutdown(self) -> None:
+        self._close()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+        self._senders.shutdown(wait=False, cancel_futures=True)
+        self.transport.close()
+
+    # ------------------------------------------------------------------ loop
+    def _loop(self) -> None:
+        while not self._closed.is_set():
+            with self._cond:
+                self._expire()
+                if not self._queue:
+                    self._cond.wait(0.5)
+                    continue
+                batch_id, items = self._queue.popleft()
+                self._in_progress += 1
+                items = [(m, d) for m, d in items if m.request_id not in self._tombstones]
+            try:
+                sends = self._run(items)
+            except Exception as e:
+                logger.exception("prefill batch %d failed", batch_id)
+                sends = []
+                for msg, _ in items:
+                    self._give_back(msg, f"prefill failed: {e}")
+            self._senders.submit(self._send_all, batch_id, sends)
+
+    def _run(self, items: list[tuple[RequestMessage, str]]) -> list[tuple[RequestMessage, Request, str]]:
+        if not items:
+            return []
+        bs = self.engine.block_size
+        need = sum(-(-m.num_prompt_tokens // bs) for m, _ in items)
+        deadline = time.monotonic() + BLOCK_WAIT_S
+        # Blocks of earlier requests are still leased to transfers: they come back on acknowledgement.
+        while self.engine.allocator.num_free < need:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"prefill needs {need} KV blocks, {self.engine.allocator.num_free} free")
+            time.sleep(0.002)
+        reqs = [m.to_request() for m, _ in items]
+        for r in reqs:
+            self.engine.requests[r.request_id] = r
+        t0 = time.perf_counter()
+        try:
+            outs = self.engine.prefill_only(reqs)
+        except BaseException:
+            for r in reqs:
+                self._drop(self.engine.detach(r.request_id))
+            raise
+        ms = (time.perf_counter() - t0) * 1e3
+        self._latency_ms = ms if self._latency_ms is None else 0.8 * self._latency_ms + 0.2 * ms
+        self.outputs.put_many((m.consumer_id, o) for (m, _), o in zip(items, outs, strict=True))
+        self._record_batch(reqs)
+        sends = []
+        for (msg, decode_id), r in zip(items, reqs, strict=True):
+            req = self.engine.detach(r.request_id)
+            if req.finished:  # done at its first token (EOS, max_tokens=1): nothing to decode
+                self._drop(req)
+            else:
+                sends.append((msg, req, decode_id))
+        self.heartbeat.push()
+        return sends
+
+    def _drop(self, req: Request) -> None:
+        if req.block_ids:
+            self.engine.allocator.free(req.block_ids)
+            req.block_ids = []
+
+    def _record_batch(self, reqs: list[Request]) -> None:
+        if self._monitor is None:
+            return
+        real = sum(r.num_prompt_tokens for r in reqs)
+        shape = self.engine.buckets.find_prompt(len(reqs), max(r.num_prompt_tokens for r in reqs), 0)
+        padded = shape[0] * shape[1] if shape is not None else real
+        rec = BatchRecord(self.config.worker_id, "prefill", len(reqs), real, max(padded, real), time.time())
+        self._monitor.record_batch.remote(rec)
+
+    # ------------------------------------------------------------------ sending
+    def _send_all(self, batch_id: int, sends: list[tuple[RequestMessage, Request, str]]) -> None:
+        try:
+            for msg, req, decode_id in sends:
+                try:
+                    self._send(msg, req, decode_id)
+                except Exception as e:
+                    logger.exception("KV hand-off of %s failed", msg.request_id)
+                    self._drop(req)
+                    self._give_back(msg, f"KV hand-off failed: {e}")
+        finally:
+            with self._cond:
+                self._in_progress -= 1
+            controller = self._get_controller()
+            if controller is not None:
+                controller.batch_done.remote(self.config.worker_id, batch_id)
+            self.heartbeat.push()
+
+    def _send(self, msg: RequestMessage, req: Request, decode_id: str) -> None:
+        rid = msg.request_id
+        peer = self._peers.get(decode_id)
+        if peer is None:
+            self._drop(req)
+            self._give_back(msg, f"unknown decode worker {decode_id}")
+            return
+        handle, address = peer
+        sp = msg.sampling
+        max_len = self.engine.config.scheduler.max_model_len
+        need = -(-min(msg.num_prompt_tokens + sp.max_tokens, max_len) // self.engine.block_size)
+        announce = PrefilledMessage(
+            msg, req.output_token_ids[0], req.output_logprobs[0] if req.output_logprobs else None
+        )
+        try:
+            accepted = ray.get(handle.expect.remote(announce, need), timeout=EXPECT_TIMEOUT_S)
+            reason = f"decode worker {decode_id} full"
+        except Exception as e:  # the decode worker died or hangs: place the request elsewhere
+            accepted, reason = False, f"decode worker {decode_id} unreachable: {type(e).__name__}"
+        if self._aborted(rid):
+            self._drop(req)
+            if accepted:
+                handle.forget.remote(rid)
+            return
+        if not accepted:
+            self._drop(req)
+            self._give_back(msg, reason, decode_id)
+            return
+        try:
+            # The transport owns the blocks from here and frees them on acknowledgement or failure.
+            self.transport.send(address, rid, req.block_ids, req.num_computed_tokens, req.output_token_ids[0])
+        except KVTransferError as e:
+            handle.forget.remote(rid)
+            if not self._aborted(rid):
+                self._give_back(msg, str(e), decode_id if e.receiver_full else None)
+        req.block_ids = []
+
+    def _aborted(self, rid: str) -> bool:
+        with self._cond:
+            return rid in self._tombstones
+
+    def _give_back(self, msg: RequestMessage, reason: str, refused_by: str | None = None) -> None:
+        """Hand the request back to the controller to prefill again; fail it when it will not be retried."""
+        controller = self._get_controller()
+        requeued = False
+        if controller is not None:
+            try:
+                requeued = ray.get(controller.requeue.remote(msg.request_id, reason, refused_by), timeout=30)
+            except Exception as e:
+                logger.warning("controller unreachable for requeue of %s: %s", msg.request_id, e)
+        if not requeued and not self._aborted(msg.request_id):
+            err = RequestOutput(
+                msg.request_id, [], [], True, FinishReason.ERROR, msg.num_prompt_tokens, 0, error=reason
+            )
+            self.outputs.put(msg.consumer_id, [err])
+
+    def _get_controller(self):
+        if self._controller is None and self.config.controller_name is not None:
+            self._controller = lookup_actor(self.config.controller_name)
+        return self._controller
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, t in self._tombstones.items() if now - t > self.config.tombstone_ttl_s]:
+            del self._tombstones[rid]
+
+    def _queue_len(self) -> int:
+        with self._cond:
+            return len(self._queue) + self._in_progress

@@ -1,0 +1,96 @@
+"""Helpers for the cluster tests: a small cluster config, the Hugging Face reference, stream collection."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.model_loader import resolve_model_path
+from engine.request import PriorityClass, Request, SamplingParams
+from gateway.cluster import ClusterConfig
+
+# 48 blocks of 16 tokens: a burst of 16 mixed requests needs more than this, so it must queue.
+NUM_BLOCKS = 48
+
+
+def cluster_config(mode: str, name: str, **kw) -> ClusterConfig:
+    engine = EngineConfig(
+        model="tiny",
+        device="cpu",
+        skip_warmup=True,
+        cache=CacheConfig(block_size=16, num_blocks=NUM_BLOCKS),
+        scheduler=SchedulerConfig(
+            max_model_len=512, max_num_seqs=16, max_num_prefill_seqs=4, max_num_batched_tokens=1024
+        ),
+    )
+    return ClusterConfig(
+        engine=engine, mode=mode, name=name, namespace="bucketserve-tests", worker_num_cpus=0.5, **kw
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _reference_model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny"), dtype=torch.float32).eval()
+
+
+def reference_tokens(prompt: list[int], n: int) -> list[int]:
+    """Hugging Face ``generate``, greedy, exactly ``n`` new tokens (EOS ignored, as the requests ask)."""
+    model = _reference_model()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def make_request(
+    rid: str, prompt_len: int, max_tokens: int, seed: int = 0, priority: str = "online"
+) -> Request:
+    rng = random.Random(f"{rid}-{seed}")
+    return Request(
+        rid,
+        [rng.randrange(10, 4000) for _ in range(prompt_len)],
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        priority_class=PriorityClass(priority),
+    )
+
+
+@dataclass
+class Collected:
+    request_id: str
+    tokens: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+async def collect(backend, req: Request, started: asyncio.Event | None = None) -> Collected:
+    got = Collected(req.request_id)
+    async for out in backend.generate(req):
+        if out.new_token_ids and got.first_token_at is None:
+            got.first_token_at = time.monotonic()
+            if started is not None:
+                started.set()
+        got.tokens += out.new_token_ids
+        if out.finished:
+            got.finished_at = time.monotonic()
+            got.finish_reason = out.finish_reason
+            got.error = out.error
+    return got
+
+
+async def wait_idle(backend, timeout: float = 10.0) -> dict[str, dict]:
+    """Worker stats once every worker holds no KV block (or the last stats at the timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = await backend.worker_stats()
+        if all(s["kv_blocks_used"] == 0 for s in stats.values()) or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.1)

@@ -1,0 +1,14 @@
+"""Shared fixtures. ``ray_session``: one small local Ray cluster for every cluster test of the session."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    # Small on purpose: the box is shared; workers take fractional CPUs.
+    ray.init(num_cpus=4, include_dashboard=False, namespace="bucketserve-tests", log_to_driver=False)
+    yield ray
+    ray.shutdown()

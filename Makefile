@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint format proto clean
+.PHONY: install chromium serve test lint format proto clean
 
 install: $(STAMP)
 
@@ -14,7 +14,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	$(MAKE) --no-print-directory chromium
 	touch $(STAMP)
+
+# The dashboard test drives Debian's chromium; the package manager needs root, so others are told.
+chromium:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; \
+	else \
+		echo "chromium is missing: run 'sudo apt-get install -y --no-install-recommends chromium'" \
+			"(the dashboard browser test needs /usr/bin/chromium)" >&2; \
+	fi
 
 serve: install
 	$(BIN)/bucketserve serve $(ARGS)

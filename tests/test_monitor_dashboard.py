@@ -44,9 +44,9 @@ def test_page_is_self_contained() -> None:
         assert page.count(f'id="{element_id}"') == 1, element_id
     assert 'data-url="/api/dash?x=1&amp;y=2"' in page and 'data-refresh-ms="5000"' in page
     assert "<style>" in page and "function lineChartSvg" in page
-    # Nothing is fetched from anywhere: no external URLs, no src/href attributes left.
+    # Nothing is fetched from anywhere: no external URLs, no src/href attributes left but inline data.
     assert not re.search(r"https?://", page)
-    assert not re.search(r"\b(src|href)=", page)
+    assert not re.search(r'\b(src|href)="(?!data:)', page)
     with pytest.raises(ValueError, match="refresh_ms"):
         page_html(refresh_ms=10)
 
@@ -122,3 +122,4 @@ def test_charts_when_nothing_has_happened() -> None:
     assert _points(view["slo-chart"]) == 0
     assert "no worker has reported yet" in view["workers-table"]
     assert "not pushed" in view["buckets-chart"]
+    assert "no data in this window" in view["slo-chart"]

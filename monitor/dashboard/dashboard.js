@@ -54,12 +54,15 @@ function niceMax(v) {
 function lineChartSvg(t, series, opts) {
   opts = opts || {};
   // Wide panels get a wider viewBox rather than stretched text.
-  const W = opts.width || 560, H = 200, L = 48, R = 10, T = 10, B = 24;
+  const W = opts.width || 560, H = 200, R = 10, T = 10, B = 24;
   const fmt = opts.yFormat || fmtNumber;
   let maxV = 0;
   let points = 0;
   for (const s of series) for (const v of s.values) if (v !== null && v !== undefined) { maxV = Math.max(maxV, v); points += 1; }
   const yMax = opts.yMax !== undefined ? opts.yMax : niceMax(maxV);
+  // The left margin fits the widest y label ("23.3 GiB" needs more room than "0.50").
+  const widest = Math.max(...[0, 1, 2, 3, 4].map((g) => fmt((yMax * g) / 4).length));
+  const L = Math.max(40, Math.ceil(10 + 6.6 * widest));
   const n = t.length;
   const x = (i) => L + (n > 1 ? (i * (W - L - R)) / (n - 1) : (W - L - R) / 2);
   const y = (v) => T + (H - T - B) * (1 - Math.min(v, yMax) / yMax);
@@ -70,9 +73,15 @@ function lineChartSvg(t, series, opts) {
     out.push(`<text class="axis" x="${L - 4}" y="${(y(v) + 3).toFixed(1)}" text-anchor="end">${esc(fmt(v))}</text>`);
   }
   if (n > 0) {
-    for (const i of [0, Math.floor((n - 1) / 2), n - 1]) {
-      out.push(`<text class="axis" x="${x(i).toFixed(1)}" y="${H - 6}" text-anchor="middle">${esc(fmtTime(t[i]))}</text>`);
+    // The end labels hug the plot edges so the newest time is not cut off at the right.
+    const ticks = n > 2 ? [[0, "start"], [Math.floor((n - 1) / 2), "middle"], [n - 1, "end"]] : n > 1 ? [[0, "start"], [n - 1, "end"]] : [[0, "middle"]];
+    for (const [i, anchor] of ticks) {
+      out.push(`<text class="axis" x="${x(i).toFixed(1)}" y="${H - 6}" text-anchor="${anchor}">${esc(fmtTime(t[i]))}</text>`);
     }
+  }
+  // An empty plot says so, rather than looking like a flat line at zero.
+  if (points === 0) {
+    out.push(`<text class="no-data" x="${(W + L - R) / 2}" y="${(H - B + T) / 2}" text-anchor="middle">no data in this window</text>`);
   }
   series.forEach((s, k) => {
     const color = s.color || COLORS[k % COLORS.length];
@@ -81,7 +90,9 @@ function lineChartSvg(t, series, opts) {
     s.values.forEach((v, i) => {
       if (v === null || v === undefined) { pen = false; return; }
       const isolated = (i === 0 || s.values[i - 1] == null) && (i === n - 1 || s.values[i + 1] == null);
-      if (isolated) out.push(`<circle cx="${x(i).toFixed(1)}" cy="${y(v).toFixed(1)}" r="2.5" fill="${color}"/>`);
+      // Earlier series get bigger dots, so equal values (both classes at 100%) stay visible as rings.
+      const r = 2.5 + 1.5 * (series.length - 1 - k);
+      if (isolated) out.push(`<circle cx="${x(i).toFixed(1)}" cy="${y(v).toFixed(1)}" r="${r}" fill="${color}"/>`);
       d += (pen ? "L" : "M") + x(i).toFixed(1) + " " + y(v).toFixed(1) + " ";
       pen = true;
     });
@@ -168,7 +179,7 @@ function buildView(d) {
     view["buckets-chart"] = barChartSvg(d.buckets.labels, d.buckets.queue_depths);
     view["bucket-boundaries"] = `boundaries: ${d.buckets.boundaries.map((b) => esc(b)).join(" | ")} (as of ${esc(fmtTime(d.buckets.timestamp))})`;
   } else {
-    view["buckets-chart"] = '<p class="empty">the controller has not pushed its buckets yet</p>';
+    view["buckets-chart"] = '<p class="empty">no request buckets: the bucketing controller has not pushed its buckets yet (a single-engine gateway has none)</p>';
     view["bucket-boundaries"] = "";
   }
   const workerIds = Object.keys(d.worker_kv_usage);

@@ -5,6 +5,10 @@ A background thread owns the engine: it takes new requests and aborts from the e
 engine steps, and hands each step's outputs back to the waiting coroutines with one
 ``call_soon_threadsafe`` per event loop per step (not one per token). An embedded monitor keeps
 the worker stats and request records behind ``/metrics`` and the dashboard.
+
+The monitor may be built on the Redis store (``Monitor(MonitorConfig.for_url(redis_url))``): then
+several gateways share one view and a restarted gateway reads its history back. Each gateway
+sharing a store then needs its own ``worker_id``, or their heartbeats overwrite each other.
 """
 
 from __future__ import annotations
@@ -38,7 +42,12 @@ class EngineFailed(BackendError):
 
 
 class LocalEngineBackend(ServingBackend):
-    """``max_queued``: requests admitted beyond the engine's ``max_num_seqs`` before new ones get 429."""
+    """``max_queued``: requests admitted beyond the engine's ``max_num_seqs`` before new ones get 429.
+
+    ``monitor``: where stats and request records go; a monitor passed in stays open after
+    ``close()`` (its owner closes it), one made here is closed with the backend.
+    ``worker_id``: the engine's name in the monitor's worker table.
+    """
 
     def __init__(
         self,
@@ -49,11 +58,14 @@ class LocalEngineBackend(ServingBackend):
         max_queued: int = 256,
         monitor: Monitor | None = None,
         stats_interval_s: float = 1.0,
+        worker_id: str = WORKER_ID,
     ) -> None:
         if (config is None) == (engine is None):
             raise ValueError("LocalEngineBackend takes exactly one of config or engine")
         if max_queued < 0:
             raise ValueError(f"max_queued must be >= 0, got {max_queued}")
+        if not isinstance(worker_id, str) or not worker_id:
+            raise ValueError(f"worker_id must be a non-empty string, got {worker_id!r}")
         self.engine = engine if engine is not None else LLMEngine(config)  # type: ignore[arg-type]
         cfg = self.engine.config
         self._info = ModelInfo(
@@ -63,7 +75,9 @@ class LocalEngineBackend(ServingBackend):
             eos_token_ids=tuple(sorted(self.engine.eos_token_ids)),
         )
         self.max_inflight = cfg.scheduler.max_num_seqs + max_queued
-        self.monitor = monitor or Monitor()
+        self._owns_monitor = monitor is None
+        self.monitor = monitor if monitor is not None else Monitor()
+        self.worker_id = worker_id
         self.stats_interval_s = stats_interval_s
         # Engine state is touched only under this lock (by the thread, or by inspect()).
         self._engine_lock = threading.Lock()
@@ -100,7 +114,10 @@ class LocalEngineBackend(ServingBackend):
             raise Rejected(f"duplicate request id {req.request_id!r}")
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[req.request_id] = (asyncio.get_running_loop(), queue)
-        self.monitor.record_arrival(req.priority_class.value, req.num_prompt_tokens)
+        try:
+            self.monitor.record_arrival(req.priority_class.value, req.num_prompt_tokens)
+        except Exception:  # a monitor store outage (Redis down) must not fail the request
+            logger.exception("could not record the arrival of %s", req.request_id)
         with self._cv:
             self._to_add.append(req)
             self._cv.notify()
@@ -130,7 +147,7 @@ class LocalEngineBackend(ServingBackend):
             "ready": up,
             "workers": [
                 {
-                    "id": WORKER_ID,
+                    "id": self.worker_id,
                     "role": "colocated",
                     "up": up,
                     # The engine warms up in its constructor, so a running backend is warmed.
@@ -161,6 +178,8 @@ class LocalEngineBackend(ServingBackend):
         self._thread.join(timeout=30)
         error = Unavailable("the engine was shut down")
         self._deliver_all([(rid, error) for rid in list(self._streams)])
+        if self._owns_monitor:
+            self.monitor.close()
 
     def inspect(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` while the engine thread is between steps (tests, diagnostics)."""
@@ -251,7 +270,7 @@ class LocalEngineBackend(ServingBackend):
         try:
             self.monitor.report_worker(
                 WorkerStats(
-                    worker_id=WORKER_ID,
+                    worker_id=self.worker_id,
                     role="colocated",
                     free_memory_bytes=int(s["free_device_memory"]),
                     kv_blocks_total=int(s["kv_blocks_total"]),

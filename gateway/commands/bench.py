@@ -5,7 +5,13 @@ from __future__ import annotations
 import importlib
 
 # kind -> module exposing register(subparsers)
-_KINDS = {"offline": "bench.offline", "kv": "bench.kv", "serve": "bench.serve", "sweep": "bench.sweep"}
+_KINDS = {
+    "offline": "bench.offline",
+    "kv": "bench.kv",
+    "serve": "bench.serve",
+    "sweep": "bench.sweep",
+    "monitor": "bench.monitor_overhead",
+}
 
 
 def register(sub) -> None:

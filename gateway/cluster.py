@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import ray
@@ -60,6 +60,8 @@ class ClusterConfig:
     startup_timeout_s: float = 900.0
     # The model id clients send; None: the engine's model name.
     served_model_name: str | None = None
+    # Actors outlive the process that started them (``serve run`` on an existing cluster).
+    detached: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -156,9 +158,10 @@ def launch_cluster(config: ClusterConfig) -> ClusterHandles:
     ensure_ray(config)
     t0 = time.perf_counter()
     ns = config.namespace
+    life = {"lifetime": "detached"} if config.detached else {}
     monitor = (
         ray.remote(Monitor)
-        .options(name=config.actor_name("monitor"), namespace=ns, num_cpus=0, max_concurrency=8)
+        .options(name=config.actor_name("monitor"), namespace=ns, num_cpus=0, max_concurrency=8, **life)
         .remote(config.monitor)
     )
     workers: dict[str, tuple[str, Any]] = {}
@@ -180,7 +183,7 @@ def launch_cluster(config: ClusterConfig) -> ClusterHandles:
         )
         handle = (
             ray.remote(_CLASSES[role])
-            .options(name=name, namespace=ns, num_cpus=config.worker_num_cpus, max_concurrency=64)
+            .options(name=name, namespace=ns, num_cpus=config.worker_num_cpus, max_concurrency=64, **life)
             .remote(wcfg)
         )
         workers[name] = (role, handle)
@@ -208,7 +211,7 @@ def launch_cluster(config: ClusterConfig) -> ClusterHandles:
         )
         controller = (
             ray.remote(Controller)
-            .options(name=controller_name, namespace=ns, num_cpus=0, max_concurrency=1000)
+            .options(name=controller_name, namespace=ns, num_cpus=0, max_concurrency=1000, **life)
             .remote(ccfg)
         )
         prefill = {n: (h, infos[n]["kv_blocks_total"]) for n, (r, h) in workers.items() if r == "prefill"}
@@ -249,7 +252,3 @@ def stop_cluster(handles: ClusterHandles) -> None:
     if handles.controller is not None:
         ray.kill(handles.controller)
     ray.kill(handles.monitor)
-
-
-def with_engine(config: ClusterConfig, **engine_changes: Any) -> ClusterConfig:
-    return replace(config, engine=replace(config.engine, **engine_changes))

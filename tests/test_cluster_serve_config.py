@@ -1,0 +1,46 @@
+"""``bucketserve serve`` configuration: every flag has a config-file key; unknown keys are errors naming the key."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import yaml
+
+from gateway.commands.serve import add_serve_args, apply_config_file, cluster_config_from_args, config_keys
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    return p.parse_args(argv)
+
+
+def test_every_flag_has_a_config_key(tmp_path):
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    dests = {a.dest for a in p._actions} - {"help", "config"}
+    assert config_keys({d: None for d in dests}, "x").keys() == dests
+
+
+def test_config_file_fills_defaults_and_flags_win(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"mode": "colocated", "decode-workers": 3, "port": 9000, "model": "tiny"}))
+    args = apply_config_file(parse(["--config", str(f), "--port", "9100"]))
+    assert (args.mode, args.decode_workers, args.port, args.model) == ("colocated", 3, 9100, "tiny")
+    cfg = cluster_config_from_args(args)
+    assert cfg.mode == "colocated" and cfg.decode_workers == 3 and cfg.engine.model == "tiny"
+
+
+def test_unknown_config_key_is_named(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"prefill_wrokers": 2}))
+    with pytest.raises(ValueError, match="prefill_wrokers"):
+        apply_config_file(parse(["--config", str(f)]))
+
+
+def test_bad_values_name_the_field():
+    args = parse(["--mode", "colocated"])
+    args.prefill_workers = 0
+    with pytest.raises(ValueError, match="ClusterConfig.prefill_workers"):
+        cluster_config_from_args(args)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import shutil
@@ -46,7 +47,7 @@ def register(sub) -> None:
     p.add_argument("--num-requests", type=int, default=64, help="completions per round")
     p.add_argument("--max-tokens", type=int, default=4, help="output tokens per completion")
     p.add_argument("--concurrency", type=int, default=None, help="requests in flight (default: all)")
-    p.add_argument("--rounds", type=int, default=3, help="measured rounds per store, alternating")
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds per store, alternating")
     p.add_argument("--records", type=int, default=2000, help="record_request calls per store")
     p.add_argument("--redis-url", default=None, help="an existing Redis (default: start a private one)")
     p.add_argument("--json", action="store_true", help="print only the final JSON line")
@@ -185,7 +186,13 @@ def gateway_round(engine: Any, monitor: Any, prompts: list[str], args: argparse.
             concurrency = args.concurrency or len(prompts)
             # Connections, the event loop and the store's client warm up outside the measurement.
             asyncio.run(burst(url, prompts[: min(8, len(prompts))], args.max_tokens, concurrency))
-            seconds = asyncio.run(burst(url, prompts, args.max_tokens, concurrency))
+            # A full collection of the previous round's garbage would stall whichever round it hit.
+            gc.collect()
+            gc.freeze()
+            try:
+                seconds = asyncio.run(burst(url, prompts, args.max_tokens, concurrency))
+            finally:
+                gc.unfreeze()
             if not backend.wait_idle(60):
                 raise RuntimeError("the engine did not go idle after the burst")
     finally:

@@ -368,16 +368,20 @@ class KVTransport(ABC):
             out = self._outbound.get(request_id)
         if out is not None:
             found = True
-            out.aborted = reason
-            try:
-                self._abort_remote(out.peer, request_id, reason)
-            except Exception as e:  # the peer also expires it on its own
-                log.warning("kv abort of %s not delivered to %s: %s", request_id, out.peer, e)
-            if out.session is not None:
-                out.session.cancel()
-            # Free now, even if the sending thread is still unwinding; _end() finds nothing to free.
-            self.leases.release(request_id)
+            self._cancel_outbound(out, reason)
         return found
+
+    def _cancel_outbound(self, out: _Outbound, reason: str) -> None:
+        out.aborted = reason
+        try:
+            self._abort_remote(out.peer, out.request_id, reason)
+        except Exception as e:  # the peer also expires it on its own
+            log.warning("kv abort of %s not delivered to %s: %s", out.request_id, out.peer, e)
+        if out.session is not None:
+            with contextlib.suppress(Exception):
+                out.session.cancel()
+        # Free now, even if a sending thread is still unwinding; _end() then finds nothing to free.
+        self.leases.release(out.request_id)
 
     # -- housekeeping -----------------------------------------------------------------------------
     def _start_reaper(self) -> None:
@@ -397,9 +401,7 @@ class KVTransport(ABC):
             with self.lock:
                 out = self._outbound.get(rid)
             if out is not None:
-                out.aborted = "lease expired"
-                with contextlib.suppress(Exception):
-                    self._abort_remote(out.peer, rid, "sender lease expired")
+                self._cancel_outbound(out, "sender lease expired")
         self.receiver.expire()
 
     def metrics(self) -> list[dict]:

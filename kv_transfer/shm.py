@@ -6,11 +6,13 @@ transfers, so no page is faulted in per transfer and nothing is serialised."""
 from __future__ import annotations
 
 import contextlib
+import mmap
+import os
 import queue
 import socket
 import threading
 from functools import lru_cache
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from pathlib import Path
 
 from .types import KVTransferError, TransferStatus
@@ -26,11 +28,6 @@ def node_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-# Segments created by this process: its tracker must keep them (a receiver in the same process
-# must not unregister them).
-_OWN_SEGMENTS: set[str] = set()
-
-
 class ShmRing:
     """Sender side: a pool of slots; ``acquire`` blocks (bounded) when every slot is in flight."""
 
@@ -39,7 +36,6 @@ class ShmRing:
         self.num_slots = max(1, total_bytes // slot_bytes)
         self.shm = shared_memory.SharedMemory(create=True, size=self.num_slots * slot_bytes)
         self.name = self.shm.name
-        _OWN_SEGMENTS.add(self.name)
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(self.num_slots):
             self._free.put(i * slot_bytes)
@@ -67,26 +63,47 @@ class ShmRing:
         self.shm.close()
         with contextlib.suppress(FileNotFoundError):
             self.shm.unlink()
-        _OWN_SEGMENTS.discard(self.name)
+
+
+class _Mapping:
+    """A segment mapped read/write by name. On Linux it is opened as /dev/shm/<name> directly, which
+    keeps it out of this process's resource tracker (the tracker would otherwise unlink the
+    sender's segment when this process exits, or double-unregister when the tracker is shared)."""
+
+    def __init__(self, name: str) -> None:
+        path = Path("/dev/shm") / name.lstrip("/")
+        self._shm: shared_memory.SharedMemory | None = None
+        if path.parent.is_dir():
+            fd = os.open(path, os.O_RDWR)
+            try:
+                self._mm = mmap.mmap(fd, 0)
+            finally:
+                os.close(fd)
+            self.buf = memoryview(self._mm)
+        else:  # other platforms: the portable way
+            self._shm = shared_memory.SharedMemory(name=name, create=False)
+            self.buf = self._shm.buf
+
+    def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            return
+        self.buf.release()
+        self._mm.close()
 
 
 class ShmAttachments:
     """Receiver side: segments opened by name, kept open for the life of the receiver."""
 
     def __init__(self) -> None:
-        self._segments: dict[str, shared_memory.SharedMemory] = {}
+        self._segments: dict[str, _Mapping] = {}
         self._lock = threading.Lock()
 
-    def get(self, name: str) -> shared_memory.SharedMemory:
+    def get(self, name: str) -> _Mapping:
         with self._lock:
             seg = self._segments.get(name)
             if seg is None:
-                seg = shared_memory.SharedMemory(name=name, create=False)
-                # Opening registers the segment with this process's resource tracker, which would
-                # unlink it at exit although the sender owns it.
-                if name not in _OWN_SEGMENTS:
-                    with contextlib.suppress(Exception):
-                        resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+                seg = _Mapping(name)
                 self._segments[name] = seg
             return seg
 

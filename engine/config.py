@@ -37,7 +37,7 @@ class CacheConfig:
     # Fixed number of KV blocks; None = size from free memory after a profiling pass.
     num_blocks: int | None = None
     # On CPU the "device memory" is host RAM shared with everything else: cap the KV cache.
-    cpu_kv_cache_bytes: int = 2 << 30
+    cpu_kv_cache_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         _positive(self, "cpu_kv_cache_bytes")

@@ -219,8 +219,10 @@ class LLMEngine:
         logger.debug("preempted %s (KV cache full)", req.request_id)
 
     def prefill_only(self, reqs: Sequence[Request]) -> list[RequestOutput]:
-        """Prefill worker path: compute KV and the first token; blocks stay allocated for the transfer."""
+        """Prefill worker path: compute KV and the first token; blocks stay allocated for the transfer
+        (hand them over with :meth:`detach`). Requests not yet known to the engine are registered."""
         for r in reqs:
+            self.requests.setdefault(r.request_id, r)
             self._grow(r, r.num_tokens)
         t0 = time.perf_counter()
         logits = self.runner.prefill(reqs)

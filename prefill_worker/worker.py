@@ -117,8 +117,6 @@ class PrefillWorker(EngineWorker):
                 raise RuntimeError(f"prefill needs {need} KV blocks, {self.engine.allocator.num_free} free")
             time.sleep(0.002)
         reqs = [m.to_request() for m, _ in items]
-        for r in reqs:
-            self.engine.requests[r.request_id] = r
         t0 = time.perf_counter()
         try:
             outs = self.engine.prefill_only(reqs)

@@ -236,7 +236,9 @@ def test_reblocking_on_receipt(backend: str, receiver_block_size: int) -> None:
     cls = LocalEndpoint if backend == "local" else EndpointProcess
     endpoint = cls(backend, rspec, 200, CFG)
     cache, alloc = KVCache(SPEC, SENDER_BLOCKS), BlockAllocator(SENDER_BLOCKS)
-    sender = create_transport(backend, cache, alloc, TransferConfig(**{**CFG.__dict__, "same_node_fast_path": False}))
+    sender = create_transport(
+        backend, cache, alloc, TransferConfig(**{**CFG.__dict__, "same_node_fast_path": False})
+    )
     try:
         peer = endpoint.wait_ready()
         ids = alloc.allocate(SPEC.blocks_for_tokens(45))
@@ -258,7 +260,9 @@ def test_fingerprint_mismatch_is_refused(backend: str) -> None:
     cls = LocalEndpoint if backend == "local" else EndpointProcess
     endpoint = cls(backend, other, 32, CFG)
     cache, alloc = KVCache(SPEC, 16), BlockAllocator(16)
-    sender = create_transport(backend, cache, alloc, TransferConfig(**{**CFG.__dict__, "same_node_fast_path": False}))
+    sender = create_transport(
+        backend, cache, alloc, TransferConfig(**{**CFG.__dict__, "same_node_fast_path": False})
+    )
     try:
         peer = endpoint.wait_ready()
         with pytest.raises(KVTransferError) as e:
@@ -276,7 +280,9 @@ def test_receiver_frees_a_transfer_whose_sender_went_silent(backend: str) -> Non
     cls = LocalEndpoint if backend == "local" else EndpointProcess
     endpoint = cls(backend, SPEC, 32, rcfg)
     cache, alloc = KVCache(SPEC, 16), BlockAllocator(16)
-    sender = create_transport(backend, cache, alloc, TransferConfig(**{**CFG.__dict__, "same_node_fast_path": False}))
+    sender = create_transport(
+        backend, cache, alloc, TransferConfig(**{**CFG.__dict__, "same_node_fast_path": False})
+    )
     try:
         peer = endpoint.wait_ready()
         sender.begin_send(peer, "silent", alloc.allocate(3), 12, first_token=1)

@@ -12,6 +12,7 @@ so the shape depends only on the bucket ``(B, NB)``, never on individual sequenc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,9 @@ class AttentionMetadata:
     block_list: torch.Tensor | None = None  # [NB] block ids (padding -> null block)
     block_groups: torch.Tensor | None = None  # [NB] row of each block (padding -> B, a dummy row)
     block_bias: torch.Tensor | None = None  # [NB, 1, 1, block_size] 0 for valid slots, _MASKED else
+    # Called with the layer index once that layer's new K/V are in the cache: a prefill worker
+    # streams layer i to the decode worker while layers i+1.. still compute.
+    on_layer_written: Callable[[int], None] | None = None
 
 
 def _write_kv(meta: AttentionMetadata, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -112,6 +116,8 @@ def paged_attention(
         )
     layer = module.layer_idx
     _write_kv(attn_meta, layer, key, value)
+    if attn_meta.on_layer_written is not None:
+        attn_meta.on_layer_written(layer)
     if attn_meta.is_prompt:
         out = _prompt_attention(attn_meta, layer, query, key, value, scaling)
     else:

@@ -12,7 +12,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -218,14 +218,18 @@ class LLMEngine:
         self.stats["preemptions"] += 1
         logger.debug("preempted %s (KV cache full)", req.request_id)
 
-    def prefill_only(self, reqs: Sequence[Request]) -> list[RequestOutput]:
+    def prefill_only(
+        self, reqs: Sequence[Request], on_layer_written: Callable[[int], None] | None = None
+    ) -> list[RequestOutput]:
         """Prefill worker path: compute KV and the first token; blocks stay allocated for the transfer
-        (hand them over with :meth:`detach`). Requests not yet known to the engine are registered."""
+        (hand them over with :meth:`detach`). Requests not yet known to the engine are registered.
+        ``on_layer_written(layer)`` runs as each layer's K/V land in the cache, so the transfer of
+        layer i can overlap the compute of the layers after it."""
         for r in reqs:
             self.requests.setdefault(r.request_id, r)
             self._grow(r, r.num_tokens)
         t0 = time.perf_counter()
-        logits = self.runner.prefill(reqs)
+        logits = self.runner.prefill(reqs, on_layer_written)
         self.stats["prefill_steps"] += 1
         self.stats["prompt_tokens"] += sum(r.num_tokens - r.num_computed_tokens for r in reqs)
         tokens, logprobs = self.sampler(logits, reqs)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -230,8 +230,12 @@ class ModelRunner:
         logits = self.model.lm_head(flat.index_select(0, batch.logits_rows))  # [num_real, vocab]
         return logits.float()
 
-    def prefill(self, reqs: Sequence[Request]) -> torch.Tensor:
-        return self.execute(self.prepare_prompt(reqs))
+    def prefill(
+        self, reqs: Sequence[Request], on_layer_written: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        batch = self.prepare_prompt(reqs)
+        batch.meta.on_layer_written = on_layer_written
+        return self.execute(batch)
 
     def decode(self, reqs: Sequence[Request]) -> torch.Tensor:
         return self.execute(self.prepare_decode(reqs))

@@ -1,0 +1,59 @@
+"""Capacity planning on the simulator: the attainment curve of a cluster, and the prefill:decode split of a fixed
+number of cards that best serves a target rate within the SLO."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from bench.simulator.sim import SimConfig, max_rate_at, simulate
+
+
+def curve(
+    config: SimConfig, workload: str, rates: list[float], num_requests: int, seed: int = 0, **kw: Any
+) -> dict[str, Any]:
+    rows = [simulate(config, workload, r, num_requests, seed, **kw).summary() for r in rates]
+    return {
+        "rows": rows,
+        "max_rate_at_80pct": max_rate_at(rows, 0.8),
+        "max_rate_at_90pct": max_rate_at(rows, 0.9),
+    }
+
+
+def recommend_split(
+    config: SimConfig,
+    cards: int,
+    workload: str,
+    target_rate: float,
+    num_requests: int,
+    seed: int = 0,
+    **kw: Any,
+) -> dict[str, Any]:
+    """Try every ``p`` prefill + ``cards - p`` decode split at ``target_rate``; recommend the one with the highest
+    SLO attainment (then goodput, then fewer prefill cards: decode memory is what later growth needs)."""
+    if cards < 2:
+        raise ValueError(f"a disaggregated split needs at least 2 cards, got {cards}")
+    rows = []
+    for p in range(1, cards):
+        split = replace(config, mode="disaggregated", prefill_workers=p, decode_workers=cards - p)
+        s = simulate(split, workload, target_rate, num_requests, seed, **kw).summary()
+        rows.append(
+            {
+                "prefill_workers": p,
+                "decode_workers": cards - p,
+                "slo_attainment": s["slo_attainment"],
+                "goodput_rps": s["goodput_rps"],
+                "ttft_p99_ms": s["ttft_p99_ms"],
+                "tpot_p99_ms": s["tpot_p99_ms"],
+            }
+        )
+    best = max(
+        rows, key=lambda r: (r["slo_attainment"] or 0.0, r["goodput_rps"] or 0.0, -r["prefill_workers"])
+    )
+    return {
+        "cards": cards,
+        "target_rate": target_rate,
+        "splits": rows,
+        "recommended": f"{best['prefill_workers']}:{best['decode_workers']}",
+        "recommended_attainment": best["slo_attainment"],
+    }

@@ -1,0 +1,546 @@
+"""Discrete-event simulation of the cluster, driven by the controller's own policy code.
+
+Disaggregated mode follows :class:`bucket_manager.controller.Controller` step for step, with the same imported
+functions: requests queue in :class:`RequestBuckets` (Algorithm 1), ``adjust`` runs with ``N_max`` from
+:meth:`MemoryBudget.capacity`, batches come from :func:`plan_batch`, workers from :func:`choose_workers`
+(prefill: shortest queue; decode: most free KV blocks), and the controller's block reservations (prompt blocks on
+the prefill worker until the batch's KV has left, ``prompt + max_tokens`` on the decode worker until the request
+finishes) bound every batch. A prefill worker holds at most ``max_batches_per_prefill_worker`` batches and runs
+them FCFS; the first token is streamed when the batch ends; each request's KV then crosses to its decode worker
+(one transfer at a time per prefill worker: they share its link); the decode worker admits it at its next step
+and runs continuous-batching steps over every running request, each step padded to a warmed decode shape.
+
+Colocated mode follows the colocated worker: the gateway sends each request to the worker with the fewest
+requests in flight, and each worker runs the engine's step policy (:func:`engine.scheduler.plan_step`):
+prefill first when waiting requests fit, FCFS with same-shape companions, else one decode step.
+
+Time is simulated, costs come from a :class:`CostModel`; results use the benchmark client's own definitions
+(:class:`bench.serve.BenchResult`), so simulated and measured attainment and goodput mean the same thing.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.serve import BenchResult, RequestOutcome
+from bench.simulator.cost_model import CostModel
+from bench.workloads import sample_arrivals, sample_lengths
+from bucket_manager.batch_plan import BatchPlan, plan_batch
+from bucket_manager.memory_budget import MemoryBudget, WorkerStats, blocks_for, choose_workers
+from bucket_manager.priority import PriorityPolicy
+from bucket_manager.request import RequestSummary
+from bucket_manager.request_buckets import RequestBuckets
+from bucket_manager.shape_buckets import ShapeBucketConfig, ShapeBuckets
+from engine.scheduler import RunningSeq, StepLimits, WaitingSeq, plan_step
+
+MODES = ("disaggregated", "colocated")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    cost: CostModel
+    mode: str = "disaggregated"
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    colocated_workers: int = 1
+    slo_ttft_ms: float = 450.0
+    slo_tpot_ms: float = 50.0
+    policy: PriorityPolicy = field(default_factory=PriorityPolicy)
+    theta: float = 0.5
+    max_batches_per_prefill_worker: int = 2  # the controller's default
+    strategy: str = "exponential"
+    # False: the DistServe-like baseline, one FCFS queue and no length buckets (N_max never reached).
+    request_buckets: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("prefill_workers", "decode_workers", "colocated_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+@dataclass
+class SimRequest:
+    rid: str
+    prompt_len: int
+    output_len: int
+    arrival: float
+    first_token: float | None = None
+    finish: float | None = None
+    generated: int = 0
+    # colocated: tokens whose KV is in the cache (0 when waiting or preempted)
+    computed: int = 0
+    blocks: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.generated
+
+
+@dataclass
+class _Prefill:
+    wid: str
+    total_blocks: int
+    reserved: dict[str, int] = field(default_factory=dict)
+    outstanding: dict[int, tuple[str, ...]] = field(default_factory=dict)  # batch id -> its requests
+    unsent: dict[int, set[str]] = field(default_factory=dict)  # batch id -> requests whose KV has not left
+    queue: deque = field(default_factory=deque)  # FCFS batches: (batch id, plan, decode worker id)
+    busy: bool = False
+    link_free_at: float = 0.0
+
+
+@dataclass
+class _Decode:
+    wid: str
+    total_blocks: int
+    reserved: dict[str, int] = field(default_factory=dict)
+    arrived: list[SimRequest] = field(default_factory=list)  # KV received, joins at the next step
+    running: list[SimRequest] = field(default_factory=list)
+    busy: bool = False
+
+
+@dataclass
+class _Colocated:
+    wid: str
+    total_blocks: int
+    free_blocks: int
+    waiting: deque = field(default_factory=deque)
+    running: list[SimRequest] = field(default_factory=list)
+    in_flight: int = 0
+    busy: bool = False
+
+
+@dataclass
+class SimResult:
+    requests: list[SimRequest]
+    config: SimConfig
+    rate: float
+    stats: dict[str, Any]
+
+    def bench_result(self) -> BenchResult:
+        outcomes = []
+        for r in self.requests:
+            o = RequestOutcome(
+                request_id=r.rid,
+                priority=None,
+                input_len=r.prompt_len,
+                expected_output_len=r.output_len,
+                slo_ttft_ms=self.config.slo_ttft_ms,
+                slo_tpot_ms=self.config.slo_tpot_ms,
+                start_s=r.arrival,
+            )
+            if r.first_token is not None and r.finish is not None:
+                o.success = True
+                o.ttft_s = r.first_token - r.arrival
+                o.e2e_s = r.finish - r.arrival
+                o.output_tokens = r.output_len
+                o.usage_reported = True
+            else:
+                o.error = "not finished when the simulation ended"
+            outcomes.append(o)
+        # The client's clock starts at 0 and the run ends with the last token, as in ``bench serve``.
+        end = max((r.finish for r in self.requests if r.finish is not None), default=0.0)
+        return BenchResult(outcomes=outcomes, duration_s=end, request_rate=self.rate)
+
+    def summary(self) -> dict[str, Any]:
+        s = self.bench_result().summary()
+        keep = (
+            "request_rate",
+            "num_requests",
+            "completed",
+            "failed",
+            "duration_s",
+            "slo_attainment",
+            "goodput_rps",
+            "request_throughput_rps",
+            "output_tok_per_s",
+            "ttft_p50_ms",
+            "ttft_p99_ms",
+            "tpot_p50_ms",
+            "tpot_p99_ms",
+        )
+        return {k: s.get(k) for k in keep} | self.stats
+
+
+class Simulator:
+    """One run: ``Simulator(config).run(lengths, arrivals)``."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = c = config
+        cost = c.cost
+        self.cost = cost
+        self.shape_config = ShapeBucketConfig.from_serving(
+            strategy=c.strategy,
+            block_size=cost.block_size,
+            max_model_len=cost.max_model_len,
+            max_num_seqs=cost.max_num_seqs,
+            max_num_prefill_seqs=cost.max_num_prefill_seqs,
+            max_num_batched_tokens=cost.max_num_batched_tokens,
+            num_blocks=cost.num_blocks,
+        )
+        self.shapes = ShapeBuckets(self.shape_config)
+        self.queue = RequestBuckets(
+            cost.max_model_len, self.shapes.prompt_query_lens, c.theta, key=c.policy.key
+        )
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
+        self._seq = itertools.count()
+        self.requests: dict[str, SimRequest] = {}
+        self.online_streak = 0
+        self._batch_ids = itertools.count(1)
+        self._queued_prompt = 0
+        self._queued_max_tokens = 0
+        self.stats: dict[str, Any] = {
+            "prefill_batches": 0,
+            "decode_steps": 0,
+            "max_request_buckets": 1,
+            "bucket_splits": 0,
+            "padded_prompt_tokens": 0,
+            "real_prompt_tokens": 0,
+            "preemptions": 0,
+        }
+        self.prefill = [_Prefill(f"prefill-{i}", cost.num_blocks) for i in range(c.prefill_workers)]
+        self.decode = [_Decode(f"decode-{i}", cost.num_blocks) for i in range(c.decode_workers)]
+        self.colocated = [
+            _Colocated(f"colocated-{i}", cost.num_blocks, cost.num_blocks) for i in range(c.colocated_workers)
+        ]
+        self._decode_by_id = {d.wid: d for d in self.decode}
+        self._prefill_by_id = {p.wid: p for p in self.prefill}
+        self.limits = StepLimits(cost.max_num_seqs, cost.max_num_prefill_seqs, cost.max_num_batched_tokens)
+
+    # ------------------------------------------------------------------ event loop
+    def _at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn, args))
+
+    def run(self, lengths: list[tuple[int, int]], arrivals: list[float]) -> list[SimRequest]:
+        for i, ((inp, out), t) in enumerate(zip(lengths, arrivals, strict=True)):
+            r = SimRequest(f"r{i}", inp, out, t)
+            self.requests[r.rid] = r
+            # The request reaches the controller after the gateway's hop; its clock started at arrival.
+            self._at(t + self.cost.request_overhead_s, self._arrive, r)
+        while self._events:
+            t, _, fn, args = heapq.heappop(self._events)
+            self.now = t
+            fn(*args)
+        return list(self.requests.values())
+
+    def _arrive(self, r: SimRequest) -> None:
+        if self.config.mode == "colocated":
+            w = min(self.colocated, key=lambda w: (w.in_flight, w.wid))
+            w.in_flight += 1
+            w.waiting.append(r)
+            self._colocated_kick(w)
+            return
+        summary = RequestSummary(r.rid, r.prompt_len, r.output_len, arrival=r.arrival)
+        self.queue.add(summary)
+        self._queued_prompt += r.prompt_len
+        self._queued_max_tokens += r.output_len
+        self._plan_all()
+
+    # ------------------------------------------------------------------ controller (disaggregated)
+    def _free(self, total: int, reserved: dict[str, int]) -> int:
+        return max(0, total - sum(reserved.values()))
+
+    def _plan_all(self) -> None:
+        """The controller's planning loop, with the same policy calls in the same order."""
+        cfg = self.config
+        while len(self.queue):
+            prefill = [
+                WorkerStats(p.wid, self._free(p.total_blocks, p.reserved), len(p.outstanding))
+                for p in self.prefill
+                if len(p.outstanding) < cfg.max_batches_per_prefill_worker
+            ]
+            decode = [
+                WorkerStats(d.wid, self._free(d.total_blocks, d.reserved), len(d.reserved))
+                for d in self.decode
+            ]
+            if not prefill:
+                return
+            p, d = choose_workers(prefill, decode)
+            budget = MemoryBudget.for_workers(
+                p, d, self.cost.block_size, self.cost.max_num_batched_tokens, reserve_output=True
+            )
+            n = len(self.queue)
+            if cfg.request_buckets:
+                n_max = budget.capacity(
+                    self._queued_prompt / n,
+                    self._queued_max_tokens / n,
+                    max(1, self.shapes.max_prompt_batch_size),
+                )
+            else:
+                n_max = n + 1  # never split: one FCFS queue
+            before = self.queue.num_buckets
+            self.queue.adjust(n_max)
+            if self.queue.num_buckets > before:
+                self.stats["bucket_splits"] += self.queue.num_buckets - before
+            self.stats["max_request_buckets"] = max(self.stats["max_request_buckets"], self.queue.num_buckets)
+            plan = plan_batch(self.queue, self.shapes, budget, cfg.policy, self.now, self.online_streak)
+            if plan is None:
+                return
+            self._dispatch(plan, self._prefill_by_id[p.worker_id], self._decode_by_id[d.worker_id])
+
+    def _dispatch(self, plan: BatchPlan, p: _Prefill, d: _Decode) -> None:
+        bs = self.cost.block_size
+        batch_id = next(self._batch_ids)
+        for rid in plan.request_ids:
+            s = self.queue.remove(rid)
+            self._queued_prompt -= s.prompt_len
+            self._queued_max_tokens -= s.max_tokens
+            p.reserved[rid] = blocks_for(s.prompt_len, bs)
+            d.reserved[rid] = blocks_for(min(s.prompt_len + s.max_tokens, self.cost.max_model_len), bs)
+        p.outstanding[batch_id] = plan.request_ids
+        p.unsent[batch_id] = set(plan.request_ids)
+        self.online_streak = 0 if plan.priority_class.value == "offline" else self.online_streak + 1
+        p.queue.append((batch_id, plan, d.wid))
+        self._prefill_kick(p)
+
+    # ------------------------------------------------------------------ prefill worker
+    def _prefill_shape(self, plan: BatchPlan) -> tuple[int, int]:
+        if plan.shape is not None:
+            return plan.shape[0], plan.shape[1]
+        return len(plan.request_ids), max(self.requests[r].prompt_len for r in plan.request_ids)
+
+    def _prefill_kick(self, p: _Prefill) -> None:
+        if p.busy or not p.queue:
+            return
+        batch_id, plan, did = p.queue.popleft()
+        p.busy = True
+        b, q = self._prefill_shape(plan)
+        self.stats["prefill_batches"] += 1
+        self.stats["real_prompt_tokens"] += plan.real_tokens
+        self.stats["padded_prompt_tokens"] += b * q - plan.real_tokens
+        self._at(self.now + self.cost.prefill_s(b, q), self._prefill_done, p, batch_id, plan, did)
+
+    def _prefill_done(self, p: _Prefill, batch_id: int, plan: BatchPlan, did: str) -> None:
+        p.busy = False
+        first = self.now + self.cost.token_overhead_s
+        sends = []
+        for rid in plan.request_ids:
+            r = self.requests[rid]
+            r.first_token = first
+            r.generated = 1
+            if r.output_len <= 1:
+                r.finish = first
+                self._release(r, did)
+            else:
+                sends.append(r)
+        # The senders move each request's KV one after the other over the worker's link, overlapping the next
+        # batch's compute.
+        t = max(self.now, p.link_free_at)
+        for r in sends:
+            t += self.cost.transfer_s(r.prompt_len)
+            self._at(t, self._transfer_done, p, batch_id, r, did)
+        p.link_free_at = t
+        if not sends:
+            self._batch_left(p, batch_id)
+        self._prefill_kick(p)
+        self._plan_all()
+
+    def _transfer_done(self, p: _Prefill, batch_id: int, r: SimRequest, did: str) -> None:
+        left = p.unsent[batch_id]
+        left.discard(r.rid)
+        d = self._decode_by_id[did]
+        d.arrived.append(r)
+        if not left:
+            self._batch_left(p, batch_id)
+        self._decode_kick(d)
+        self._plan_all()
+
+    def _batch_left(self, p: _Prefill, batch_id: int) -> None:
+        """``batch_done``: every request of the batch has left, its prompt reservations end."""
+        p.unsent.pop(batch_id, None)
+        for rid in p.outstanding.pop(batch_id, ()):
+            p.reserved.pop(rid, None)
+
+    def _release(self, r: SimRequest, did: str) -> None:
+        self._decode_by_id[did].reserved.pop(r.rid, None)
+
+    # ------------------------------------------------------------------ decode worker
+    def _decode_kick(self, d: _Decode) -> None:
+        if d.busy:
+            return
+        d.running.extend(d.arrived)
+        d.arrived.clear()
+        if not d.running:
+            return
+        bs = self.cost.block_size
+        # Continuous batching up to max_num_seqs; the reservations make sure the blocks are there.
+        batch = d.running[: self.cost.max_num_seqs]
+        blocks = sum(-(-r.num_tokens // bs) for r in batch)
+        shape = self.shapes.find_decode(len(batch), blocks)
+        b, n = (shape[0], shape[2]) if shape is not None else (len(batch), blocks)
+        d.busy = True
+        self.stats["decode_steps"] += 1
+        self._at(self.now + self.cost.decode_s(b, n), self._decode_done, d, batch)
+
+    def _decode_done(self, d: _Decode, batch: list[SimRequest]) -> None:
+        d.busy = False
+        t = self.now + self.cost.token_overhead_s
+        finished = False
+        for r in batch:
+            r.generated += 1
+            if r.generated >= r.output_len or r.num_tokens >= self.cost.max_model_len:
+                r.finish = t
+                finished = True
+        if finished:
+            keep = []
+            for r in d.running:
+                if r.finish is None:
+                    keep.append(r)
+                else:
+                    self._release(r, d.wid)
+            d.running = keep
+        self._decode_kick(d)
+        if finished:
+            self._plan_all()
+
+    # ------------------------------------------------------------------ colocated worker
+    def _query_bucket(self, n: int) -> int:
+        found = self.shapes.find_prompt(1, n, 0)
+        return found[1] if found else n
+
+    def _colocated_candidates(self, w: _Colocated) -> list[SimRequest]:
+        """The engine's prefill candidates: the FCFS head, then waiting requests padding to the head's query
+        bucket, cut to a batch size that is itself warmed (so no row is padding)."""
+        if not w.waiting:
+            return []
+        head = w.waiting[0]
+        q = self._query_bucket(head.num_tokens - head.computed)
+        cands = [head] + [
+            r
+            for r in itertools.islice(w.waiting, 1, None)
+            if self._query_bucket(r.num_tokens - r.computed) == q
+        ]
+        n = min(len(cands), self.cost.max_num_prefill_seqs)
+        while n > 1:
+            shape = self.shapes.find_prompt(n, q, 0)
+            if shape is not None and shape[0] == n:
+                break
+            n -= 1
+        return cands[:n]
+
+    def _colocated_kick(self, w: _Colocated) -> None:
+        if w.busy:
+            return
+        bs = self.cost.block_size
+        cands = self._colocated_candidates(w)
+        waiting = [
+            WaitingSeq(r.rid, r.num_tokens - r.computed, -(-r.num_tokens // bs) - r.blocks) for r in cands
+        ]
+        running = [RunningSeq(r.rid, max(0, -(-r.num_tokens // bs) - r.blocks), r.blocks) for r in w.running]
+        step = plan_step(waiting, running, w.free_blocks, self.limits)
+        if step.kind == "idle":
+            return
+        w.busy = True
+        by_id = {r.rid: r for r in (*cands, *w.running)}
+        if step.kind == "prefill":
+            reqs = [by_id[i] for i in step.request_ids]
+            for r in reqs:
+                w.waiting.remove(r)
+                need = -(-r.num_tokens // bs) - r.blocks
+                r.blocks += need
+                w.free_blocks -= need
+            q = max(r.num_tokens - r.computed for r in reqs)
+            shape = self.shapes.find_prompt(len(reqs), q, 0)
+            b, qq = (shape[0], shape[1]) if shape is not None else (len(reqs), q)
+            self.stats["prefill_batches"] += 1
+            self._at(self.now + self.cost.prefill_s(b, qq), self._colocated_prefill_done, w, reqs)
+            return
+        for rid in step.preempt_ids:
+            r = by_id[rid]
+            w.running.remove(r)
+            w.free_blocks += r.blocks
+            r.blocks = 0
+            r.computed = 0  # recomputed later from prompt + generated tokens, as the engine does
+            w.waiting.appendleft(r)
+            self.stats["preemptions"] += 1
+        batch = [by_id[i] for i in step.request_ids]
+        for r in batch:
+            need = -(-r.num_tokens // bs) - r.blocks
+            r.blocks += need
+            w.free_blocks -= need
+        blocks = sum(r.blocks for r in batch)
+        shape = self.shapes.find_decode(len(batch), blocks)
+        b, n = (shape[0], shape[2]) if shape is not None else (len(batch), blocks)
+        self.stats["decode_steps"] += 1
+        self._at(self.now + self.cost.decode_s(b, n), self._colocated_decode_done, w, batch)
+
+    def _colocated_prefill_done(self, w: _Colocated, reqs: list[SimRequest]) -> None:
+        w.busy = False
+        t = self.now + self.cost.token_overhead_s
+        for r in reqs:
+            r.computed = r.num_tokens
+            r.generated += 1
+            if r.first_token is None:
+                r.first_token = t
+            self._colocated_after_token(w, r, t, prefilled=True)
+        self._colocated_kick(w)
+
+    def _colocated_decode_done(self, w: _Colocated, batch: list[SimRequest]) -> None:
+        w.busy = False
+        t = self.now + self.cost.token_overhead_s
+        for r in batch:
+            r.computed = r.num_tokens
+            r.generated += 1
+            self._colocated_after_token(w, r, t, prefilled=False)
+        self._colocated_kick(w)
+
+    def _colocated_after_token(self, w: _Colocated, r: SimRequest, t: float, prefilled: bool) -> None:
+        if r.generated >= r.output_len or r.num_tokens >= self.cost.max_model_len:
+            r.finish = t
+            if r in w.running:
+                w.running.remove(r)
+            w.free_blocks += r.blocks
+            r.blocks = 0
+            w.in_flight -= 1
+        elif prefilled:
+            w.running.append(r)
+
+
+# ---------------------------------------------------------------------------- runs and sweeps
+
+
+def simulate(
+    config: SimConfig,
+    workload: str,
+    rate: float,
+    num_requests: int,
+    seed: int = 0,
+    burstiness: float = 1.0,
+    max_output_len: int = 1024,
+) -> SimResult:
+    """Sample a workload exactly as ``bench serve`` does (same seed, same lengths, same arrivals) and run it."""
+    lengths = sample_lengths(
+        workload, num_requests, seed, max_model_len=config.cost.max_model_len, max_output_len=max_output_len
+    )
+    arrivals = sample_arrivals(num_requests, rate, seed, burstiness)
+    sim = Simulator(config)
+    done = sim.run(lengths, arrivals)
+    return SimResult(done, config, rate, dict(sim.stats))
+
+
+def sweep(
+    config: SimConfig, workload: str, rates: list[float], num_requests: int, seed: int = 0, **kw: Any
+) -> list[dict[str, Any]]:
+    return [simulate(config, workload, r, num_requests, seed, **kw).summary() for r in rates]
+
+
+def max_rate_at(rows: list[dict[str, Any]], target: float = 0.8) -> float | None:
+    """The highest rate with attainment >= ``target``, linearly interpolated between swept rates."""
+    best = None
+    pts = sorted((float(r["request_rate"]), r["slo_attainment"] or 0.0) for r in rows)
+    for i, (rate, att) in enumerate(pts):
+        if att >= target:
+            best = rate
+            if i + 1 < len(pts) and pts[i + 1][1] < target:
+                r2, a2 = pts[i + 1]
+                best = rate + (r2 - rate) * (att - target) / (att - a2)
+        elif best is not None:
+            break
+    return best

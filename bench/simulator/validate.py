@@ -1,0 +1,216 @@
+"""Validation: simulated vs measured SLO attainment on this machine (``bucketserve simulate --validate``).
+
+Starts ``bucketserve serve`` (one prefill and one decode worker, or the workers given) on the calibrated model,
+waits for ``/health``, runs ``bucketserve bench serve`` at each rate (same workload, seed, prompt count, SLOs and
+length limits as the simulation), stops the cluster, and simulates the same requests with the calibration. It
+reports, per rate, both attainments and their difference in points.
+
+Fixed latencies of the serving path (gateway, Ray hops, streaming) are not part of the engine calibration.
+Before the sweep, ``--probe`` requests are sent one at a time to the idle cluster; the median measured TTFT less
+the simulated unloaded TTFT of the same requests is taken as the per-request overhead, and the simulation is
+reported with it ("adjusted") and without it ("engine only"). The probe says nothing about behaviour under load,
+which is what the comparison tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.simulator.cost_model import CostModel
+from bench.simulator.sim import SimConfig, simulate
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HEALTH_TIMEOUT_S = 600.0
+PROBE_PROMPTS = 4
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "gateway.cli", *args]
+
+
+def start_cluster(model: str, port: int, prefill: int, decode: int, log: Path) -> subprocess.Popen:
+    cmd = _cli(
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--prefill-workers",
+        str(prefill),
+        "--decode-workers",
+        str(decode),
+    )
+    # Its own session, so stopping it reaches the Ray processes it started and nothing else.
+    proc = subprocess.Popen(
+        cmd, cwd=REPO_ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the cluster exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(2.0)
+    stop_cluster(proc)
+    raise RuntimeError(f"the cluster was not healthy within {HEALTH_TIMEOUT_S:.0f} s; see {log}")
+
+
+def stop_cluster(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    pgid = os.getpgid(proc.pid)
+    for sig, wait in ((signal.SIGINT, 60), (signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        os.killpg(pgid, sig)
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def bench_point(
+    args: argparse.Namespace, rate: float, num: int, out: Path, max_model_len: int
+) -> dict[str, Any]:
+    cmd = _cli(
+        "bench",
+        "serve",
+        "--base-url",
+        f"http://127.0.0.1:{args.port}",
+        "--model",
+        args.model,
+        "--workload",
+        args.workload,
+        "--request-rate",
+        str(rate),
+        "--num-prompts",
+        str(num),
+        "--seed",
+        str(args.seed),
+        "--slo-ttft-ms",
+        str(args.slo_ttft_ms),
+        "--slo-tpot-ms",
+        str(args.slo_tpot_ms),
+        "--max-model-len",
+        str(max_model_len),
+        "--max-output-len",
+        str(args.max_output_len),
+        "--out",
+        str(out),
+        "--no-progress",
+        "--json",
+    )
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"bench serve failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def run_validation(args: argparse.Namespace) -> int:
+    from bench.report import write_report
+    from gateway.commands.simulate import load_cost
+
+    try:
+        cost: CostModel = load_cost(args)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    base = SimConfig(
+        cost,
+        prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+    )
+    kw = {"max_output_len": args.max_output_len}
+    work = Path(tempfile.mkdtemp(prefix="bucketserve-validate-"))
+    log = work / "serve.log"
+    proc = start_cluster(args.model, args.port, args.prefill_workers, args.decode_workers, log)
+    measured: dict[float, dict[str, Any]] = {}
+    try:
+        # Idle probe: requests far apart, so each meets an empty cluster.
+        probe = bench_point(args, 0.2, PROBE_PROMPTS, work / "probe", cost.max_model_len)
+        for rate in args.rates:
+            measured[rate] = bench_point(
+                args, rate, args.num_prompts, work / f"rate_{rate}", cost.max_model_len
+            )
+            if not args.json:
+                print(f"measured {rate} req/s: attainment {measured[rate]['slo_attainment']}", flush=True)
+    finally:
+        stop_cluster(proc)
+    sim_probe = simulate(base, args.workload, 0.2, PROBE_PROMPTS, args.seed, **kw).summary()
+    overhead_s = max(0.0, ((probe["ttft_p50_ms"] or 0.0) - (sim_probe["ttft_p50_ms"] or 0.0)) / 1e3)
+    adjusted = replace(base, cost=cost.with_overheads(overhead_s, 0.0))
+    rows = []
+    for rate in args.rates:
+        m = measured[rate]
+        raw = simulate(base, args.workload, rate, args.num_prompts, args.seed, **kw).summary()
+        adj = simulate(adjusted, args.workload, rate, args.num_prompts, args.seed, **kw).summary()
+        rows.append(
+            {
+                "rate": rate,
+                "measured_attainment": m["slo_attainment"],
+                "simulated_attainment": adj["slo_attainment"],
+                "error_points": round(100 * (adj["slo_attainment"] - m["slo_attainment"]), 1),
+                "simulated_engine_only": raw["slo_attainment"],
+                "error_points_engine_only": round(100 * (raw["slo_attainment"] - m["slo_attainment"]), 1),
+                "measured_ttft_p50_ms": m["ttft_p50_ms"],
+                "simulated_ttft_p50_ms": adj["ttft_p50_ms"],
+                "measured_tpot_p50_ms": m["tpot_p50_ms"],
+                "simulated_tpot_p50_ms": adj["tpot_p50_ms"],
+                "measured_failed": m["failed"],
+            }
+        )
+    result = {
+        "model": args.model,
+        "cost_source": cost.source,
+        "workload": args.workload,
+        "num_prompts": args.num_prompts,
+        "seed": args.seed,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tpot_ms": args.slo_tpot_ms,
+        "workers": {"prefill": args.prefill_workers, "decode": args.decode_workers},
+        "probe_overhead_ms": round(overhead_s * 1e3, 1),
+        "probe_measured_ttft_p50_ms": probe["ttft_p50_ms"],
+        "probe_simulated_ttft_p50_ms": sim_probe["ttft_p50_ms"],
+        "rows": rows,
+        "max_abs_error_points": max(abs(r["error_points"]) for r in rows),
+        "max_abs_error_points_engine_only": max(abs(r["error_points_engine_only"]) for r in rows),
+    }
+    table = [
+        ("rate", "measured", "simulated", "error (points)", "engine only", "TTFT p50 m/s", "TPOT p50 m/s")
+    ]
+    for r in rows:
+        table.append(
+            (
+                str(r["rate"]),
+                str(r["measured_attainment"]),
+                str(r["simulated_attainment"]),
+                str(r["error_points"]),
+                str(r["simulated_engine_only"]),
+                f"{r['measured_ttft_p50_ms']} / {r['simulated_ttft_p50_ms']}",
+                f"{r['measured_tpot_p50_ms']} / {r['simulated_tpot_p50_ms']}",
+            )
+        )
+    out = args.out or str(REPO_ROOT / "bench" / "simulator" / f"validation_{args.model}")
+    write_report(out, f"Simulator validation: {args.model}, {args.workload}", result, table)
+    if not args.json:
+        for row in table:
+            print(" | ".join(row))
+    print(json.dumps(result))
+    return 0

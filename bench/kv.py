@@ -4,8 +4,10 @@ For the KV of a 2K-token and a 16K-token prompt on the ``small`` model geometry 
 heads, head dim 64, fp32: 16 KiB per token), it times, in one run and against one receiving process:
 the ``grpc`` backend on loopback, the same-node fast path (``shm``), and a raw TCP socket moving the
 same number of bytes (the practical limit for a socket here). Each transfer is timed from the first
-byte sent to the receiver's acknowledgement, after the data is in the receiver's paged cache. It
-also times a 2K-token prefill to give the transfer's share of prefill time.
+byte sent to the receiver's acknowledgement, after the data is in the receiver's paged cache. The
+paths take turns in rounds (the host is shared), and medians with their spread are reported. It
+also runs a 2K-token prefill through the engine and gives the transfer's share of its time, both
+sent after the prefill and streamed layer by layer while it runs.
 """
 
 from __future__ import annotations
@@ -31,21 +33,35 @@ SMALL_SPEC = KVCacheSpec(
     architecture="LlamaForCausalLM", num_layers=8, num_kv_heads=4, head_dim=64, block_size=16
 )
 DEFAULT_OUT = Path("bench/results/kv.json")
+# Defaults picked from the `--grid` run on this host (see the report).
+DEFAULT_CHUNK_MB = 4.0
+DEFAULT_STREAMS = 2
 
 
 def register(bench_subparsers) -> None:
     p = bench_subparsers.add_parser(
-        "kv", help="KV transfer throughput: gRPC, same-node fast path, raw socket"
+        "kv", help="KV transfer throughput: gRPC, same-node fast path, raw socket; share of prefill"
     )
     p.add_argument(
         "--tokens", type=int, nargs="+", default=[2048, 16384], help="prompt lengths whose KV is moved"
     )
     p.add_argument(
-        "--repeats", type=int, default=5, help="timed transfers per size and path (median reported)"
+        "--repeats",
+        type=int,
+        default=7,
+        help="timed rounds per size; a round moves the payload once over every path, in rotating order",
     )
-    p.add_argument("--chunk-mb", type=float, default=4.0, help="chunk size of the transports")
-    p.add_argument("--streams", type=int, default=2, help="parallel gRPC streams per transfer")
+    p.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_MB, help="chunk size of the transports")
+    p.add_argument("--streams", type=int, default=DEFAULT_STREAMS, help="parallel gRPC streams per transfer")
+    p.add_argument(
+        "--grid",
+        action="store_true",
+        help="also time gRPC at chunk sizes {1,2,4,8} MiB x streams {1,2,4} (interleaved in the rounds)",
+    )
     p.add_argument("--prefill-tokens", type=int, default=2048, help="prompt length of the prefill timing")
+    p.add_argument(
+        "--prefill-repeats", type=int, default=3, help="rounds of (prefill, prefill+send, streamed prefill)"
+    )
     p.add_argument("--no-prefill", action="store_true", help="skip the prefill timing")
     p.add_argument("--json", action="store_true", help="print the summary JSON as the last line")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="report path (.json; a .md goes beside it)")
@@ -55,14 +71,20 @@ def register(bench_subparsers) -> None:
 # -- raw socket baseline -------------------------------------------------------------------------
 
 
-def _socket_sink(port_q, nbytes: int, count: int) -> None:  # pragma: no cover - child process
+def _socket_sink(port_q) -> None:  # pragma: no cover - child process
     srv = socket.create_server(("127.0.0.1", 0))
     port_q.put(srv.getsockname()[1])
     conn, _ = srv.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = bytearray(nbytes)
-    view = memoryview(buf)
-    for _ in range(count):
+    buf = bytearray(0)
+    while True:
+        head = conn.recv(8, socket.MSG_WAITALL)
+        if len(head) < 8:
+            break
+        nbytes = int.from_bytes(head, "little")
+        if len(buf) < nbytes:
+            buf = bytearray(nbytes)
+        view = memoryview(buf)
         got = 0
         while got < nbytes:
             n = conn.recv_into(view[got:], nbytes - got)
@@ -74,92 +96,217 @@ def _socket_sink(port_q, nbytes: int, count: int) -> None:  # pragma: no cover -
     srv.close()
 
 
-def time_socket(payload: memoryview, repeats: int) -> list[float]:
-    """Seconds per transfer of ``payload`` over a loopback TCP socket to another process."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    proc = ctx.Process(target=_socket_sink, args=(q, payload.nbytes, repeats + 1), daemon=True)
-    proc.start()
-    sock = socket.create_connection(("127.0.0.1", q.get(timeout=60)))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    times = []
-    for i in range(repeats + 1):  # the first one warms the connection up
+class SocketPath:
+    """A loopback TCP connection to a sink process that reads each payload into one buffer and acks."""
+
+    name = "socket"
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        self.proc = ctx.Process(target=_socket_sink, args=(q,), daemon=True)
+        self.proc.start()
+        self.sock = socket.create_connection(("127.0.0.1", q.get(timeout=60)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def once(self, payload: memoryview) -> float:
         t0 = time.perf_counter()
-        sock.sendall(payload)
-        if sock.recv(1) != b"k":
+        self.sock.sendall(payload.nbytes.to_bytes(8, "little"))
+        self.sock.sendall(payload)
+        if self.sock.recv(1) != b"k":
             raise RuntimeError("socket sink closed early")
-        if i:
-            times.append(time.perf_counter() - t0)
-    sock.close()
-    proc.join(timeout=10)
-    return times
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.join(timeout=10)
 
 
 # -- transports ----------------------------------------------------------------------------------
 
 
-def time_transport(
-    backend: str,
-    cache: KVCache,
-    alloc: BlockAllocator,
-    endpoint: EndpointProcess,
-    cfg: TransferConfig,
-    tokens: int,
-    repeats: int,
-) -> tuple[list[float], str]:
-    sender = create_transport(backend, cache, alloc, cfg)
-    times: list[float] = []
-    path = backend
-    try:
-        for i in range(repeats + 1):
-            ids = alloc.allocate(cache.spec.blocks_for_tokens(tokens))
-            m = sender.send(endpoint.wait_ready(), f"{backend}-{tokens}-{i}", ids, tokens, first_token=1)
-            got = endpoint.receive(60, with_data=False)  # frees the receiver's blocks
-            if got is None or got["bytes_received"] != m.bytes:
-                raise RuntimeError(f"{backend}: transfer {i} not received intact")
-            path = m.backend
-            if i:  # the first transfer warms up connections and the shared-memory ring
-                times.append(m.latency_s)
-    finally:
-        sender.close()
-    return times, path
+class TransportPath:
+    """One sending transport to the receiving endpoint; each ``once`` moves one request's KV."""
+
+    def __init__(
+        self,
+        name: str,
+        backend: str,
+        cache: KVCache,
+        alloc: BlockAllocator,
+        endpoint: EndpointProcess,
+        cfg: TransferConfig,
+    ) -> None:
+        self.name = name
+        self.cache = cache
+        self.alloc = alloc
+        self.endpoint = endpoint
+        self.sender = create_transport(backend, cache, alloc, cfg)
+        self.path = backend
+        self._n = 0
+
+    def once(self, tokens: int) -> float:
+        self._n += 1
+        ids = self.alloc.allocate(self.cache.spec.blocks_for_tokens(tokens))
+        rid = f"{self.name}-{tokens}-{self._n}"
+        m = self.sender.send(self.endpoint.wait_ready(), rid, ids, tokens, first_token=1)
+        got = self.endpoint.receive(60, with_data=False)  # frees the receiver's blocks
+        if got is None or got["bytes_received"] != m.bytes:
+            raise RuntimeError(f"{self.name}: transfer {rid} not received intact")
+        self.path = m.backend
+        return m.latency_s
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+def _stats(times: list[float], nbytes: int) -> dict:
+    """Median and spread (min, max) of the timed transfers, as seconds and GB/s."""
+    med = statistics.median(times)
+    return {
+        "s": med,
+        "gbps": nbytes / med / 1e9,
+        "gbps_min": nbytes / max(times) / 1e9,
+        "gbps_max": nbytes / min(times) / 1e9,
+        "n": len(times),
+    }
+
+
+def time_paths(paths: list, tokens: int, payload: memoryview, repeats: int) -> dict[str, list[float]]:
+    """Rounds over every path, the order rotating each round, so load from other processes on
+    the host hits every path alike; the first round warms connections and pages up, untimed."""
+    times: dict[str, list[float]] = {p.name: [] for p in paths}
+    for r in range(repeats + 1):
+        k = r % len(paths)
+        for p in paths[k:] + paths[:k]:
+            t = p.once(payload) if isinstance(p, SocketPath) else p.once(tokens)
+            if r:
+                times[p.name].append(t)
+    return times
 
 
 # -- prefill -------------------------------------------------------------------------------------
 
 
-def time_prefill(num_tokens: int, repeats: int = 2) -> float:
-    """Seconds for one forward pass of a random-weight Llama with the ``small`` geometry over
-    ``num_tokens`` tokens (Hugging Face transformers, eager, fp32, no grad)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def time_prefill_share(
+    num_tokens: int, repeats: int, cfg: TransferConfig, backend: str = "grpc"
+) -> dict[str, float]:
+    """Transfer time of one prompt's KV against its prefill time, through our engine (``small``
+    model, CPU, eager) and a receiving endpoint in another process. Each round runs, in turn:
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=4096,
-        max_position_embeddings=max(4096, num_tokens),
+    - ``prefill``: ``prefill_only`` alone;
+    - ``sequential``: prefill, then ``send`` of the KV; exposed = the send (end of prefill to ack);
+    - ``streamed``: the transfer begins before the prefill and each layer is sent as the engine
+      writes it (:class:`LayerStreamer`); exposed = end of prefill to ack. ``added`` = streamed
+      start-to-ack minus the median prefill alone: it also counts any slowdown of the forward pass
+      by the sending thread, which shares the host's cores.
+    """
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.request import Request, SamplingParams
+    from kv_transfer.streaming import LayerStreamer
+
+    engine = LLMEngine(
+        EngineConfig(
+            model="small",
+            device="cpu",
+            skip_warmup=True,
+            cache=CacheConfig(block_size=16, num_blocks=4 * (num_tokens // 16 + 1)),
+            scheduler=SchedulerConfig(
+                max_model_len=max(4096, num_tokens), max_num_batched_tokens=max(4096, num_tokens)
+            ),
+        )
     )
-    model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, cfg.vocab_size, (1, num_tokens))  # [1, T]
-    times = []
-    with torch.no_grad():
-        model(ids)  # warm-up
+    spec = engine.kv_spec
+    nb = spec.blocks_for_tokens(num_tokens) + 8
+    endpoint = EndpointProcess("grpc", spec, nb, cfg)
+    sender = create_transport(backend, engine.kv_cache, engine.allocator, cfg)
+    gen = torch.Generator().manual_seed(0)
+    n = 0
+
+    def request() -> Request:
+        nonlocal n
+        n += 1
+        prompt = torch.randint(10, 4000, (num_tokens,), generator=gen).tolist()
+        return Request(f"prefill-{n}", prompt, SamplingParams(max_tokens=2))
+
+    def received() -> None:
+        if endpoint.receive(60, with_data=False) is None:
+            raise RuntimeError("prefill share: transfer not received")
+
+    def prefill_alone() -> float:
+        req = request()
+        t0 = time.perf_counter()
+        engine.prefill_only([req])
+        t = time.perf_counter() - t0
+        engine.allocator.free(engine.detach(req.request_id).block_ids)
+        return t
+
+    def sequential() -> float:
+        req = request()
+        engine.prefill_only([req])
+        done = engine.detach(req.request_id)
+        t0 = time.perf_counter()
+        sender.send(peer, done.request_id, done.block_ids, num_tokens, done.output_token_ids[0])
+        t = time.perf_counter() - t0
+        received()
+        return t
+
+    def streamed() -> tuple[float, float]:
+        req = request()
+        # Blocks first: the transfer's handshake needs them, and prefill_only grows only what is missing.
+        req.block_ids = engine.allocator.allocate(spec.blocks_for_tokens(num_tokens))
+        streamer = LayerStreamer(sender)
+        t0 = time.perf_counter()
+        streamer.begin(peer, req.request_id, req.block_ids, num_tokens)
+        engine.prefill_only([req], on_layer_written=streamer.on_layer_written)
+        t1 = time.perf_counter()
+        engine.detach(req.request_id).block_ids = []  # the transport owns them
+        result = streamer.finish()[req.request_id]
+        t2 = time.perf_counter()
+        if isinstance(result, Exception):
+            raise result
+        received()
+        return t2 - t1, t2 - t0
+
+    out: dict[str, list[float]] = {"prefill": [], "sequential": [], "streamed": [], "streamed_total": []}
+    try:
+        peer = endpoint.wait_ready()
+        sequential()  # warm-up: connections, pages of both caches
         for _ in range(repeats):
-            t0 = time.perf_counter()
-            model(ids)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            out["prefill"].append(prefill_alone())
+            out["sequential"].append(sequential())
+            exposed, total = streamed()
+            out["streamed"].append(exposed)
+            out["streamed_total"].append(total)
+    finally:
+        sender.close()
+        endpoint.close()
+    med = {k: statistics.median(v) for k, v in out.items()}
+    return {
+        "prefill_s": med["prefill"],
+        "sequential_transfer_s": med["sequential"],
+        "streamed_exposed_s": med["streamed"],
+        "streamed_total_s": med["streamed_total"],
+        "share_overlapped": med["streamed"] / med["prefill"],
+        "share_not_overlapped": med["sequential"] / med["prefill"],
+        "share_added": (med["streamed_total"] - med["prefill"]) / med["prefill"],
+        "share_overlapped_max": max(out["streamed"]) / min(out["prefill"]),
+        "rounds": repeats,
+    }
 
 
 # -- report --------------------------------------------------------------------------------------
 
 
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
+def _grpc_cfg(chunk: int, streams: int) -> TransferConfig:
+    return TransferConfig(
+        chunk_bytes=chunk,
+        max_message_bytes=chunk + (8 << 20),
+        rpc_timeout_s=120.0,
+        num_streams=streams,
+        same_node_fast_path=False,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,42 +314,76 @@ def run(args: argparse.Namespace) -> int:
     chunk = int(args.chunk_mb * (1 << 20))
     max_tokens = max(args.tokens)
     num_blocks = spec.blocks_for_tokens(max_tokens) + 8
-    cache = KVCache(spec, num_blocks)
+    # The sending cache lives in shared memory, as a prefill worker's does when it may use the
+    # zero-copy same-node path; gRPC and the socket read the same memory.
+    cache = KVCache(spec, num_blocks, shared_memory=True)
     cache.data.normal_()
     alloc = BlockAllocator(num_blocks)
-    base = dict(chunk_bytes=chunk, max_message_bytes=chunk + (8 << 20), rpc_timeout_s=120.0)
-    grpc_cfg = TransferConfig(**base, num_streams=args.streams, same_node_fast_path=False)
-    shm_cfg = TransferConfig(**base, shm_ring_bytes=max(64 << 20, 4 * chunk))
-    endpoint = EndpointProcess("grpc", spec, num_blocks, TransferConfig(**base))
+    big_chunk = max(chunk, 8 << 20)
+    shm_cfg = TransferConfig(
+        chunk_bytes=chunk,
+        max_message_bytes=big_chunk + (8 << 20),
+        rpc_timeout_s=120.0,
+        shm_ring_bytes=max(64 << 20, 4 * chunk),
+    )
+    endpoint = EndpointProcess(
+        "grpc", spec, num_blocks, TransferConfig(max_message_bytes=big_chunk + (8 << 20), rpc_timeout_s=120.0)
+    )
+    grid = [(c << 20, s) for c in (1, 2, 4, 8) for s in (1, 2, 4)] if args.grid else []
     rows = []
+    paths: list = []
     try:
         endpoint.wait_ready()
+        paths = [
+            TransportPath("grpc", "grpc", cache, alloc, endpoint, _grpc_cfg(chunk, args.streams)),
+            TransportPath("local", "shm", cache, alloc, endpoint, shm_cfg),
+            SocketPath(),
+        ]
+        paths += [
+            TransportPath(f"grpc-{c >> 20}MiB-x{s}", "grpc", cache, alloc, endpoint, _grpc_cfg(c, s))
+            for c, s in grid
+            if (c, s) != (chunk, args.streams)
+        ]
         for tokens in sorted(args.tokens):
             nbytes = spec.blocks_for_tokens(tokens) * spec.bytes_per_block
-            g, _ = time_transport("grpc", cache, alloc, endpoint, grpc_cfg, tokens, args.repeats)
-            s, path = time_transport("shm", cache, alloc, endpoint, shm_cfg, tokens, args.repeats)
             # The socket moves the same bytes, from the same cache memory.
             payload = memoryview(cache.data.view(-1).view(torch.uint8).numpy())[:nbytes]
-            k = time_socket(payload, args.repeats)
-            rows.append(
-                {
-                    "tokens": tokens,
-                    "bytes": nbytes,
-                    "grpc_s": statistics.median(g),
-                    "local_s": statistics.median(s),
-                    "socket_s": statistics.median(k),
-                    "grpc_gbps": _gbps(nbytes, statistics.median(g)),
-                    "local_gbps": _gbps(nbytes, statistics.median(s)),
-                    "socket_gbps": _gbps(nbytes, statistics.median(k)),
-                    "local_backend": path,
-                }
-            )
+            times = time_paths(paths, tokens, payload, args.repeats)
+            st = {name: _stats(t, nbytes) for name, t in times.items()}
+            sock = st["socket"]
+            row = {
+                "tokens": tokens,
+                "bytes": nbytes,
+                "grpc_s": st["grpc"]["s"],
+                "local_s": st["local"]["s"],
+                "socket_s": sock["s"],
+                "grpc_gbps": st["grpc"]["gbps"],
+                "local_gbps": st["local"]["gbps"],
+                "socket_gbps": sock["gbps"],
+                "local_backend": paths[1].path,
+                "spread_gbps": {k: [round(v["gbps_min"], 3), round(v["gbps_max"], 3)] for k, v in st.items()},
+                # Per round ratio against the socket of the same round, then the median.
+                "grpc_ratio_median": _round_ratio(times["grpc"], times["socket"]),
+                "local_ratio_median": _round_ratio(times["local"], times["socket"]),
+                "grid": {
+                    k: {"gbps": round(v["gbps"], 3), "ratio": round(v["gbps"] / sock["gbps"], 3)}
+                    for k, v in st.items()
+                    if k.startswith("grpc")
+                },
+                "repeats": args.repeats,
+            }
+            rows.append(row)
             print(
-                f"{tokens:>6} tokens {nbytes / 2**20:7.1f} MiB: grpc {rows[-1]['grpc_gbps']:.2f} GB/s, "
-                f"{path} {rows[-1]['local_gbps']:.2f} GB/s, socket {rows[-1]['socket_gbps']:.2f} GB/s",
+                f"{tokens:>6} tokens {nbytes / 2**20:7.1f} MiB: grpc {row['grpc_gbps']:.2f} GB/s, "
+                f"{row['local_backend']} {row['local_gbps']:.2f} GB/s, socket {row['socket_gbps']:.2f} GB/s "
+                f"(medians of {args.repeats}; spread {row['spread_gbps']})",
                 flush=True,
             )
+            if grid:
+                print(f"  grid: {row['grid']}", flush=True)
     finally:
+        for p in paths:
+            p.close()
         endpoint.close()
     big = max(rows, key=lambda r: r["tokens"])
     summary = {
@@ -213,14 +394,18 @@ def run(args: argparse.Namespace) -> int:
         "ratio": round(big["grpc_gbps"] / big["socket_gbps"], 3),
         "local_ratio": round(big["local_gbps"] / big["socket_gbps"], 3),
         "transfer_share_of_prefill": None,
+        "repeats": args.repeats,
+        "grpc_chunk_mib": args.chunk_mb,
+        "grpc_streams": args.streams,
     }
-    prefill_s = None
+    share = None
     if not args.no_prefill:
-        prefill_s = time_prefill(args.prefill_tokens)
-        ref = min(rows, key=lambda r: abs(r["tokens"] - args.prefill_tokens))
-        summary["transfer_share_of_prefill"] = round(ref["grpc_s"] / prefill_s, 4)
-        summary["local_transfer_share_of_prefill"] = round(ref["local_s"] / prefill_s, 4)
-        summary["prefill_s"] = round(prefill_s, 4)
+        share = time_prefill_share(args.prefill_tokens, args.prefill_repeats, _grpc_cfg(chunk, args.streams))
+        print(f"prefill share ({args.prefill_tokens} tokens, gRPC): {share}", flush=True)
+        summary["transfer_share_of_prefill"] = round(share["share_overlapped"], 4)
+        summary["transfer_share_not_overlapped"] = round(share["share_not_overlapped"], 4)
+        summary["transfer_share_added"] = round(share["share_added"], 4)
+        summary["prefill_s"] = round(share["prefill_s"], 3)
         summary["prefill_tokens"] = args.prefill_tokens
     command = "bucketserve bench kv " + " ".join(
         shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:])[2:]
@@ -229,19 +414,24 @@ def run(args: argparse.Namespace) -> int:
         "command": command,
         "summary": summary,
         "rows": rows,
+        "prefill": share,
         "grpc_streams": args.streams,
         "chunk_bytes": chunk,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(_markdown(report, prefill_s))
+    args.out.with_suffix(".md").write_text(_markdown(report))
     print(f"report: {args.out} and {args.out.with_suffix('.md')}")
     if args.json:
         print(json.dumps(summary))
     return 0
 
 
-def _markdown(report: dict, prefill_s: float | None) -> str:
+def _round_ratio(times: list[float], socket_times: list[float]) -> float:
+    return round(statistics.median(s / t for t, s in zip(times, socket_times, strict=True)), 3)
+
+
+def _markdown(report: dict) -> str:
     s = report["summary"]
     lines = [
         "# KV transfer benchmark",
@@ -249,22 +439,35 @@ def _markdown(report: dict, prefill_s: float | None) -> str:
         f"Command: `{report['command']}`",
         "",
         "Model geometry `small` (8 layers, 4 KV heads, head dim 64, fp32, block 16); receiver in a separate "
-        "process on 127.0.0.1; median of the timed transfers; time = first byte to acknowledgement.",
+        "process on 127.0.0.1; each round moves the payload once over every path (rotating order); median "
+        "of the timed rounds, [min, max] in brackets; time = first byte to acknowledgement.",
         "",
         "| tokens | MiB | gRPC GB/s | same-node GB/s | raw socket GB/s | gRPC / socket | same-node / socket |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["rows"]:
+        sp = r["spread_gbps"]
         lines.append(
-            f"| {r['tokens']} | {r['bytes'] / 2**20:.1f} | {r['grpc_gbps']:.2f} | {r['local_gbps']:.2f} ({r['local_backend']}) "
-            f"| {r['socket_gbps']:.2f} | {r['grpc_gbps'] / r['socket_gbps']:.2f} | {r['local_gbps'] / r['socket_gbps']:.2f} |"
+            f"| {r['tokens']} | {r['bytes'] / 2**20:.1f} | {r['grpc_gbps']:.2f} {sp['grpc']} "
+            f"| {r['local_gbps']:.2f} {sp['local']} ({r['local_backend']}) | {r['socket_gbps']:.2f} {sp['socket']} "
+            f"| {r['grpc_gbps'] / r['socket_gbps']:.2f} | {r['local_gbps'] / r['socket_gbps']:.2f} |"
         )
-    if prefill_s is not None:
+    grid = report["rows"][-1]["grid"]
+    if len(grid) > 1:
         lines += [
             "",
-            f"Prefill of {s['prefill_tokens']} tokens (transformers LlamaForCausalLM forward, small geometry, random "
-            f"weights, eager fp32): {prefill_s * 1000:.0f} ms. Transfer of its KV, not overlapped: gRPC "
-            f"{s['transfer_share_of_prefill']:.1%}, same-node {s['local_transfer_share_of_prefill']:.1%} of prefill time.",
+            "gRPC grid (largest payload): " + ", ".join(f"{k} {v['gbps']} GB/s" for k, v in grid.items()),
+        ]
+    p = report.get("prefill")
+    if p:
+        lines += [
+            "",
+            f"Prefill of {s['prefill_tokens']} tokens through the engine (`small`, CPU, eager, fp32): "
+            f"{p['prefill_s'] * 1000:.0f} ms (median of {p['rounds']}). gRPC transfer of its KV after the "
+            f"prefill: {p['sequential_transfer_s'] * 1000:.1f} ms = {p['share_not_overlapped']:.2%}; streamed layer "
+            f"by layer during the prefill, exposed (end of prefill to ack): {p['streamed_exposed_s'] * 1000:.1f} ms "
+            f"= {p['share_overlapped']:.2%}; start-to-ack of the streamed run minus prefill alone: "
+            f"{p['share_added']:.2%}.",
         ]
     lines += ["", "```json", json.dumps(s), "```", ""]
     return "\n".join(lines)

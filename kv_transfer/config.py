@@ -45,6 +45,9 @@ class TransferConfig:
     tls_ca_file: str | None = None
     # Same-node fast path: use shared memory when the peer reports the same node id.
     same_node_fast_path: bool = True
+    # Same-node fast path from a KV cache allocated in shared memory (KVCache(shared_memory=True)):
+    # the receiver copies the leased blocks straight out of the sender's cache, with no staging copy.
+    shm_zero_copy: bool = True
     # Size of the sender's shared-memory ring (bounded staging for the fast path).
     shm_ring_bytes: int = 64 << 20
     # Largest gRPC message accepted; must exceed chunk_bytes plus header.

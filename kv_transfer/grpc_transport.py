@@ -20,6 +20,7 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from proto import kv_transfer_pb2 as pb
 
@@ -168,7 +169,7 @@ class _KVService:
                 if header.request_id != rid or len(payload) != header.nbytes:
                     raise KVTransferError(TransferStatus.INVALID, "bad shared-memory chunk header", rid)
                 self.rx.write(info_from_pb(header), payload)
-                yield pb.SlotRelease(shm_offset=header.shm_offset)
+                yield pb.SlotRelease(shm_offset=header.shm_offset, shm_name=header.shm_name)
             status, final, detail = self.rx.end_stream(rid)
             yield pb.SlotRelease(ack=_ack(status, rid, detail, final))
         except KVTransferError as e:
@@ -316,8 +317,13 @@ class _ShmSession(SenderSession):
         cfg = transport.config
         self.request_id = request_id
         self.ring = ring
+        cache = transport.cache
+        self.cache_shm = transport.zero_copy_segment()
+        self.cache_base = cache.data.data_ptr()
+        self.cache_nbytes = cache.nbytes
         self.timeout = cfg.rpc_timeout_s
-        self.stream = _RequestStream(ring.num_slots + 1)
+        # Zero-copy chunks hold no slot, so the stream is bounded by the in-flight limit instead.
+        self.stream = _RequestStream(max(ring.num_slots, cfg.max_inflight_chunks) + 1)
         self.outstanding: set[int] = set()
         self.lock = threading.Lock()
         self.ack: pb.TransferAck | None = None
@@ -339,7 +345,8 @@ class _ShmSession(SenderSession):
                 if r.HasField("ack"):
                     self.ack = r.ack
                     break
-                self._release(r.shm_offset)
+                if r.shm_name == self.ring.name:
+                    self._release(r.shm_offset)
         except grpc.RpcError as e:
             self.error = _rpc_error(e, self.request_id)
         finally:
@@ -366,16 +373,30 @@ class _ShmSession(SenderSession):
             TransferStatus.ABORTED if status is TransferStatus.OK else status, detail, self.request_id
         )
 
+    def _in_cache(self, views: list[memoryview]) -> int | None:
+        """Byte offset of the payload in the shared-memory KV cache, when it is one range of it."""
+        if self.cache_shm is None or len(views) != 1:
+            return None
+        v = views[0]
+        off = np.frombuffer(v, dtype=np.uint8).ctypes.data - self.cache_base
+        return off if off >= 0 and off + v.nbytes <= self.cache_nbytes else None
+
     def send_chunk(self, plan: ChunkPlan, info_views: tuple) -> None:
         info, views = info_views
         if self.done.is_set():
             self._raise_ended()
-        off = self.ring.acquire(self.timeout)
-        with self.lock:
-            self.outstanding.add(off)
-        self.ring.write(off, views)
-        msg = encode_chunk(header_pb(info, shm_name=self.ring.name, shm_offset=off))
-        if not self.stream.put(msg, self.done.is_set):
+        off = self._in_cache(views)
+        if off is not None:
+            # Zero-copy: the receiver reads the leased blocks where they are; the lease keeps them
+            # unchanged until the acknowledgement, and the checksum proves it.
+            header = header_pb(info, shm_name=self.cache_shm, shm_offset=off)
+        else:
+            off = self.ring.acquire(self.timeout)
+            with self.lock:
+                self.outstanding.add(off)
+            self.ring.write(off, views)
+            header = header_pb(info, shm_name=self.ring.name, shm_offset=off)
+        if not self.stream.put(encode_chunk(header), self.done.is_set):
             self._raise_ended()
 
     def finish(self) -> tuple[TransferStatus, str]:
@@ -475,6 +496,10 @@ class GrpcKVTransport(KVTransport):
 
     def peer_stats(self, peer: str, shm_probe: str = "") -> pb.StatsReply:
         return self._unary(peer, "Stats", pb.StatsRequest(shm_probe=shm_probe), pb.StatsReply)
+
+    def zero_copy_segment(self) -> str | None:
+        """The shared-memory segment of this side's KV cache, when it has one (zero-copy sends)."""
+        return getattr(self.cache, "shm_name", None) if self.config.shm_zero_copy else None
 
     def ring(self) -> ShmRing:
         with self.lock:

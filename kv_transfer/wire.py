@@ -9,7 +9,6 @@ message builder, which is the only copy on the sending side.
 from __future__ import annotations
 
 import warnings
-import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -19,6 +18,14 @@ from engine.kv_cache import KVCache, KVCacheSpec, torch_dtype
 from proto import kv_transfer_pb2 as pb
 
 from .types import ChunkInfo
+
+try:
+    # ISA-L's CRC-32 is the same function as zlib's (same polynomial, same values, so both sides
+    # interoperate whichever they use) but ~5x faster here (carry-less multiply): the checksum
+    # pass was the largest cost of a transfer on each side.
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - optional speed-up
+    from zlib import crc32
 
 
 @dataclass(frozen=True)
@@ -86,7 +93,7 @@ def chunk_tensor(cache: KVCache, block_ids: Sequence[int], plan: ChunkPlan) -> t
 def crc32_of(views: Iterable[memoryview | bytes]) -> int:
     crc = 0
     for v in views:
-        crc = zlib.crc32(v, crc)
+        crc = crc32(v, crc)
     return crc
 
 

@@ -127,12 +127,14 @@ class TransferAck(_message.Message):
     def __init__(self, status: _Optional[_Union[TransferAck.Status, str]] = ..., request_id: _Optional[str] = ..., bytes_received: _Optional[int] = ..., detail: _Optional[str] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class SlotRelease(_message.Message):
-    __slots__ = ("shm_offset", "ack")
+    __slots__ = ("shm_offset", "ack", "shm_name")
     SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     shm_offset: int
     ack: TransferAck
-    def __init__(self, shm_offset: _Optional[int] = ..., ack: _Optional[_Union[TransferAck, _Mapping]] = ...) -> None: ...
+    shm_name: str
+    def __init__(self, shm_offset: _Optional[int] = ..., ack: _Optional[_Union[TransferAck, _Mapping]] = ..., shm_name: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "reason")

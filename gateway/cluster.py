@@ -41,6 +41,9 @@ class ClusterConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     policy: PriorityPolicy = field(default_factory=PriorityPolicy)
+    # Controller scheduling: "buckets" (adaptive request buckets + priority policy) or "fcfs" (one bucket,
+    # arrival order: the baseline the benchmarks compare against).
+    scheduling: str = "buckets"
     # Ray: None starts a local cluster in-process; "auto" or "ray://host:port" joins one.
     ray_address: str | None = None
     ray_num_cpus: int | None = None
@@ -85,6 +88,8 @@ class ClusterConfig:
             not isinstance(self.ray_num_cpus, int) or self.ray_num_cpus < 1
         ):
             raise ValueError(f"ClusterConfig.ray_num_cpus must be an int >= 1, got {self.ray_num_cpus!r}")
+        if self.scheduling not in ("buckets", "fcfs"):
+            raise ValueError(f"ClusterConfig.scheduling must be 'buckets' or 'fcfs', got {self.scheduling!r}")
         if not self.name or not self.namespace:
             raise ValueError("ClusterConfig.name and ClusterConfig.namespace must be non-empty")
 
@@ -208,6 +213,7 @@ def launch_cluster(config: ClusterConfig) -> ClusterHandles:
             monitor_name=config.actor_name("monitor"),
             policy=config.policy,
             max_batches_per_prefill_worker=config.max_batches_per_prefill_worker,
+            scheduling=config.scheduling,
         )
         controller = (
             ray.remote(Controller)

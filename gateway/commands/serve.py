@@ -29,7 +29,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
     add_engine_args(p)
     p.add_argument("--config", default=None, help="YAML file whose keys are these flags' names")
-    p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
+    p.add_argument(
+        "--mode",
+        default="disaggregated",
+        choices=["disaggregated", "colocated", "static"],
+        help="static: Hugging Face generate in static batches behind the same API (a baseline; no Ray)",
+    )
+    p.add_argument(
+        "--scheduling",
+        default="buckets",
+        choices=["buckets", "fcfs"],
+        help="disaggregated controller: adaptive request buckets + priorities, or one FCFS queue (baseline)",
+    )
+    p.add_argument("--static-batch-size", type=int, default=8, help="static mode: requests per batch")
+    p.add_argument(
+        "--static-max-wait-ms", type=float, default=50.0, help="static mode: wait for a batch to fill"
+    )
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument("--colocated-workers", type=int, default=1)
@@ -103,6 +118,7 @@ def cluster_config_from_args(args: argparse.Namespace, detached: bool = False):
     return ClusterConfig(
         engine=config_from_args(args),
         mode=args.mode,
+        scheduling=args.scheduling,
         prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers,
         colocated_workers=args.colocated_workers,
@@ -151,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.mode == "static":
+        from gateway.static_backend import serve_static
+
+        return serve_static(args)
     import ray
     from ray import serve
 

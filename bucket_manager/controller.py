@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,11 +26,19 @@ import ray
 from bucket_manager.batch_plan import BatchPlan, plan_batch
 from bucket_manager.memory_budget import MemoryBudget, WorkerStats, blocks_for, choose_workers
 from bucket_manager.priority import PriorityPolicy
-from bucket_manager.request import RequestSummary
+from bucket_manager.request import PriorityClass, RequestSummary
 from bucket_manager.request_buckets import RequestBuckets
 from bucket_manager.shape_buckets import ShapeBucketConfig, ShapeBuckets
 
 logger = logging.getLogger(__name__)
+
+# ``buckets``: adaptive request buckets and the priority policy (the product). ``fcfs``: one bucket, served in
+# arrival order whatever the class or priority (the DistServe-like baseline the benchmarks compare against).
+SCHEDULING = ("buckets", "fcfs")
+
+
+def _arrival_order(request: RequestSummary) -> tuple[float, ...]:
+    return (request.arrival,)
 
 
 @dataclass(frozen=True)
@@ -48,8 +57,13 @@ class ControllerConfig:
     plan_interval_s: float = 0.05
     # Prefill attempts of one request (a decode worker refused or died, a transfer failed) before it fails.
     max_attempts: int = 4
+    scheduling: str = "buckets"
 
     def __post_init__(self) -> None:
+        if self.scheduling not in SCHEDULING:
+            raise ValueError(
+                f"ControllerConfig.scheduling must be one of {SCHEDULING}, got {self.scheduling!r}"
+            )
         for name in (
             "block_size",
             "max_model_len",
@@ -91,8 +105,12 @@ class Controller:
     def __init__(self, config: ControllerConfig) -> None:
         self.config = config
         self.shapes = ShapeBuckets(config.shape_config)
+        self.fcfs = config.scheduling == "fcfs"
         self.queue = RequestBuckets(
-            config.max_model_len, self.shapes.prompt_query_lens, config.theta, key=config.policy.key
+            config.max_model_len,
+            self.shapes.prompt_query_lens,
+            config.theta,
+            key=_arrival_order if self.fcfs else config.policy.key,
         )
         self.prefill: dict[str, _Worker] = {}
         self.decode: dict[str, _Worker] = {}
@@ -223,6 +241,10 @@ class Controller:
 
     # ------------------------------------------------------------------ internals
     def _enqueue(self, summary: RequestSummary) -> None:
+        if self.fcfs:
+            # One class and one priority in the queue, so batches follow arrival alone; the stored summary
+            # keeps the request's own class for everything else.
+            summary = dataclasses.replace(summary, priority_class=PriorityClass.ONLINE, priority=0)
         self.queue.add(summary)
         self._queued_prompt += summary.prompt_len
         self._queued_max_tokens += summary.max_tokens
@@ -302,7 +324,8 @@ class Controller:
                 self._queued_max_tokens / n,
                 max(1, self.shapes.max_prompt_batch_size),
             )
-            self.queue.adjust(n_max)
+            if not self.fcfs:  # FCFS keeps the single bucket the queue starts with
+                self.queue.adjust(n_max)
             self._publish_buckets()
             plan = plan_batch(
                 self.queue, self.shapes, budget, self.config.policy, time.time(), self.online_streak

@@ -242,3 +242,30 @@ def test_cli_prints_the_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert doc["split"]["recommended"] in {"1:3", "2:2", "3:1"}
     assert any(line.startswith("recommended prefill:decode") for line in lines)
     assert main(["simulate", "--calibration", str(tmp_path / "missing.json"), "--json"]) == 2
+
+
+def test_validate_compares_measured_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cal = COST.save(tmp_path / "cal.json")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+
+    def point(name: str, attainment: float, ttft: float, tpot: float) -> None:
+        doc = {
+            "result": {"slo_attainment": attainment, "ttft_p50_ms": ttft, "tpot_p50_ms": tpot, "failed": 0}
+        }
+        (runs / f"{name}.json").write_text(json.dumps(doc))
+
+    point("probe", 1.0, 150.0, 30.0)
+    point("rate_1", 0.9, 160.0, 32.0)
+    point("rate_8", 0.2, 3000.0, 80.0)
+    argv = ["simulate", "--validate", "--calibration", str(cal), "--measured", str(runs)]
+    argv += ["--rates", "1,8", "--num-prompts", "60", "--out", str(tmp_path / "v"), "--json"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["rate"] for r in doc["rows"]] == [1.0, 8.0]
+    assert doc["probe_overhead_ms"] > 0 and doc["probe_slowdown"] >= 1.0
+    for r in doc["rows"]:
+        expected = 100 * (r["simulated_attainment"] - r["measured_attainment"])
+        assert r["error_points"] == pytest.approx(expected, abs=0.051)
+    assert (tmp_path / "v.json").is_file() and (tmp_path / "v.md").is_file()
+    assert main(argv[:5] + [str(tmp_path / "nothing"), "--json"]) == 2

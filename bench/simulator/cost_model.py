@@ -140,6 +140,12 @@ class CostModel:
     def with_overheads(self, request_s: float, token_s: float) -> CostModel:
         return replace(self, request_overhead_s=request_s, token_overhead_s=token_s)
 
+    def with_slowdown(self, factor: float) -> CostModel:
+        """Every compute cost (prefill and decode) times ``factor``: the engine's steps slowed by other processes
+        sharing its cores. Transfers and fixed overheads are left alone."""
+        scaled = {name: getattr(self, name) * factor for name in (*PREFILL_TERMS, *DECODE_TERMS)}
+        return replace(self, **scaled)
+
 
 # ---------------------------------------------------------------------------- fitting
 

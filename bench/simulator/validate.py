@@ -5,11 +5,15 @@ waits for ``/health``, runs ``bucketserve bench serve`` at each rate (same workl
 length limits as the simulation), stops the cluster, and simulates the same requests with the calibration. It
 reports, per rate, both attainments and their difference in points.
 
-Fixed latencies of the serving path (gateway, Ray hops, streaming) are not part of the engine calibration.
-Before the sweep, ``--probe`` requests are sent one at a time to the idle cluster; the median measured TTFT less
-the simulated unloaded TTFT of the same requests is taken as the per-request overhead, and the simulation is
-reported with it ("adjusted") and without it ("engine only"). The probe says nothing about behaviour under load,
-which is what the comparison tests.
+Fixed latencies of the serving path (gateway, Ray hops, streaming) are not part of the engine calibration, and
+on a shared machine the workers' steps run slower than the engine did alone. Before the sweep, a few requests
+are sent far apart to the idle cluster (the probe): the ratio of measured to simulated idle TPOT scales every
+engine cost (the slowdown), and the idle TTFT left over after the slowed prefill is taken as the per-request
+overhead. The simulation is reported with these ("simulated") and without them ("engine only"). The probe
+says nothing about behaviour under load, which is what the comparison tests.
+
+``--measured DIR`` re-analyses the bench reports of an earlier run (``probe.json``, ``rate_<R>.json`` with the
+rate's dot written ``_``).
 """
 
 from __future__ import annotations
@@ -34,13 +38,16 @@ from bench.simulator.sim import SimConfig, simulate
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HEALTH_TIMEOUT_S = 600.0
 PROBE_PROMPTS = 4
+PROBE_RATE = 0.2
 
 
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "gateway.cli", *args]
 
 
-def start_cluster(model: str, port: int, prefill: int, decode: int, log: Path) -> subprocess.Popen:
+def start_cluster(
+    model: str, port: int, prefill: int, decode: int, log: Path, warmup: bool = False
+) -> subprocess.Popen:
     cmd = _cli(
         "serve",
         "--model",
@@ -52,29 +59,37 @@ def start_cluster(model: str, port: int, prefill: int, decode: int, log: Path) -
         "--decode-workers",
         str(decode),
     )
+    if not warmup:
+        # On CPU, warm-up only runs each shape once (no graphs without --compile); the calibration ran without
+        # it too, and warming 144 shapes of the small model takes minutes on a shared 2-core machine.
+        cmd.append("--skip-warmup")
     # Its own session, so stopping it reaches the Ray processes it started and nothing else.
     proc = subprocess.Popen(
         cmd, cwd=REPO_ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
     )
-    deadline = time.monotonic() + HEALTH_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the cluster exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(2.0)
-    stop_cluster(proc)
-    raise RuntimeError(f"the cluster was not healthy within {HEALTH_TIMEOUT_S:.0f} s; see {log}")
+    try:
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the cluster exited with {proc.returncode}; see {log}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                pass
+            time.sleep(2.0)
+        raise RuntimeError(f"the cluster was not healthy within {HEALTH_TIMEOUT_S:.0f} s; see {log}")
+    except BaseException:
+        # Interrupted or failed while starting: the caller has no handle yet, so stop it here.
+        stop_cluster(proc)
+        raise
 
 
 def stop_cluster(proc: subprocess.Popen) -> None:
     if proc.poll() is not None:
         return
     pgid = os.getpgid(proc.pid)
-    for sig, wait in ((signal.SIGINT, 60), (signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+    for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 15), (signal.SIGKILL, 5)):
         os.killpg(pgid, sig)
         try:
             proc.wait(wait)
@@ -121,12 +136,46 @@ def bench_point(
     return json.loads(lines[-1])
 
 
+def _point_name(rate: float) -> str:
+    # No dot in the name: the report writer would take "rate_0.5" for a file "rate_0" with suffix ".5".
+    return f"rate_{rate:g}".replace(".", "_")
+
+
+def _read_point(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(f"no bench serve report at {path}")
+    return json.loads(path.read_text())["result"]
+
+
+def _measure(
+    args: argparse.Namespace, work: Path, max_model_len: int
+) -> tuple[dict[str, Any], dict[float, dict[str, Any]]]:
+    """Start the cluster, run the idle probe and every rate, stop the cluster."""
+    log = work / "serve.log"
+    measured: dict[float, dict[str, Any]] = {}
+    proc = start_cluster(args.model, args.port, args.prefill_workers, args.decode_workers, log, args.warmup)
+    try:
+        # Idle probe: requests far apart, so each meets an empty cluster.
+        probe = bench_point(args, PROBE_RATE, PROBE_PROMPTS, work / "probe", max_model_len)
+        for rate in args.rates:
+            measured[rate] = bench_point(
+                args, rate, args.num_prompts, work / _point_name(rate), max_model_len
+            )
+            if not args.json:
+                print(f"measured {rate} req/s: attainment {measured[rate]['slo_attainment']}", flush=True)
+    finally:
+        stop_cluster(proc)
+    return probe, measured
+
+
 def run_validation(args: argparse.Namespace) -> int:
     from bench.report import write_report
     from gateway.commands.simulate import load_cost
 
     try:
         cost: CostModel = load_cost(args)
+        if args.measured:
+            _read_point(Path(args.measured) / "probe.json")
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -138,24 +187,23 @@ def run_validation(args: argparse.Namespace) -> int:
         slo_tpot_ms=args.slo_tpot_ms,
     )
     kw = {"max_output_len": args.max_output_len}
-    work = Path(tempfile.mkdtemp(prefix="bucketserve-validate-"))
-    log = work / "serve.log"
-    proc = start_cluster(args.model, args.port, args.prefill_workers, args.decode_workers, log)
-    measured: dict[float, dict[str, Any]] = {}
-    try:
-        # Idle probe: requests far apart, so each meets an empty cluster.
-        probe = bench_point(args, 0.2, PROBE_PROMPTS, work / "probe", cost.max_model_len)
-        for rate in args.rates:
-            measured[rate] = bench_point(
-                args, rate, args.num_prompts, work / f"rate_{rate}", cost.max_model_len
-            )
-            if not args.json:
-                print(f"measured {rate} req/s: attainment {measured[rate]['slo_attainment']}", flush=True)
-    finally:
-        stop_cluster(proc)
-    sim_probe = simulate(base, args.workload, 0.2, PROBE_PROMPTS, args.seed, **kw).summary()
-    overhead_s = max(0.0, ((probe["ttft_p50_ms"] or 0.0) - (sim_probe["ttft_p50_ms"] or 0.0)) / 1e3)
-    adjusted = replace(base, cost=cost.with_overheads(overhead_s, 0.0))
+    if args.measured:
+        # Re-analyse an earlier run: its bench serve reports are read back, nothing is started.
+        work = Path(args.measured)
+        probe = _read_point(work / "probe.json")
+        measured = {rate: _read_point(work / f"{_point_name(rate)}.json") for rate in args.rates}
+    else:
+        work = Path(tempfile.mkdtemp(prefix="bucketserve-validate-"))
+        probe, measured = _measure(args, work, cost.max_model_len)
+    # The idle probe sets two figures, nothing about load: the slowdown of the engine's steps in the running
+    # cluster (ratio of idle TPOTs; other processes share the cores) and then the fixed latency of the serving
+    # path (idle TTFT left over once the slowed prefill is counted).
+    sim_probe = simulate(base, args.workload, PROBE_RATE, PROBE_PROMPTS, args.seed, **kw).summary()
+    slowdown = max(1.0, (probe["tpot_p50_ms"] or 0.0) / (sim_probe["tpot_p50_ms"] or 1.0))
+    slowed = replace(base, cost=cost.with_slowdown(slowdown))
+    sim_slowed = simulate(slowed, args.workload, PROBE_RATE, PROBE_PROMPTS, args.seed, **kw).summary()
+    overhead_s = max(0.0, ((probe["ttft_p50_ms"] or 0.0) - (sim_slowed["ttft_p50_ms"] or 0.0)) / 1e3)
+    adjusted = replace(slowed, cost=slowed.cost.with_overheads(overhead_s, 0.0))
     rows = []
     for rate in args.rates:
         m = measured[rate]
@@ -185,7 +233,11 @@ def run_validation(args: argparse.Namespace) -> int:
         "slo_ttft_ms": args.slo_ttft_ms,
         "slo_tpot_ms": args.slo_tpot_ms,
         "workers": {"prefill": args.prefill_workers, "decode": args.decode_workers},
+        "measured_in": str(work),
         "probe_overhead_ms": round(overhead_s * 1e3, 1),
+        "probe_slowdown": round(slowdown, 3),
+        "probe_measured_tpot_p50_ms": probe["tpot_p50_ms"],
+        "probe_simulated_tpot_p50_ms": sim_probe["tpot_p50_ms"],
         "probe_measured_ttft_p50_ms": probe["ttft_p50_ms"],
         "probe_simulated_ttft_p50_ms": sim_probe["ttft_p50_ms"],
         "rows": rows,

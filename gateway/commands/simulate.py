@@ -70,6 +70,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--cards", type=int, default=None, help="cards to split (default: prefill + decode workers)"
     )
     p.add_argument("--port", type=int, default=8765, help="--validate: the cluster's port")
+    p.add_argument("--warmup", action="store_true", help="--validate: warm the cluster's shapes up first")
+    p.add_argument(
+        "--measured",
+        default=None,
+        help="--validate: re-analyse the bench reports in this folder, run nothing",
+    )
     p.add_argument("--json", action="store_true", help="print only the final JSON line")
     p.set_defaults(func=run)
 

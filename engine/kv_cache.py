@@ -13,7 +13,12 @@ allocated and never holds anything that is read back for a real token.
 
 from __future__ import annotations
 
+import contextlib
+import math
+import warnings
+import weakref
 from dataclasses import asdict, dataclass
+from multiprocessing import shared_memory
 
 import torch
 
@@ -67,27 +72,53 @@ class KVCacheSpec:
         return -(-num_tokens // self.block_size)
 
 
+def _unlink(shm: shared_memory.SharedMemory) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        shm.unlink()
+
+
 class KVCache:
     """The paged K/V storage of one worker. Bookkeeping of which block is free lives in BlockAllocator."""
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        device: torch.device | str = "cpu",
+        shared_memory: bool = False,
+    ) -> None:
+        """``shared_memory`` (CPU only): allocate ``data`` in a named ``multiprocessing.shared_memory``
+        segment (``shm_name``), so a KV receiver on the same node can read the blocks in place
+        instead of through a staging copy. Layout and API are the same either way."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.spec = spec
         self.num_blocks = num_blocks
         self.null_block = num_blocks
         self.device = torch.device(device)
+        self.shm_name: str | None = None
+        shape = (spec.num_layers, 2, num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        dtype = torch_dtype(spec.dtype)
+        if shared_memory:
+            if self.device.type != "cpu":
+                raise ValueError(f"KVCache: shared_memory needs a CPU cache, got device {self.device}")
+            self.data = self._shared_zeros(shape, dtype)  # [L, 2, num_blocks + 1, block_size, KVH, D]
+            return
         # [L, 2, num_blocks + 1, block_size, KVH, D]
-        self.data = torch.zeros(
-            spec.num_layers,
-            2,
-            num_blocks + 1,
-            spec.block_size,
-            spec.num_kv_heads,
-            spec.head_dim,
-            dtype=torch_dtype(spec.dtype),
-            device=self.device,
-        )
+        self.data = torch.zeros(*shape, dtype=dtype, device=self.device)
+
+    def _shared_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+        shm = shared_memory.SharedMemory(create=True, size=nbytes)  # a new segment reads as zeros
+        self.shm_name = shm.name
+        # The tensor borrows shm.buf, so the segment cannot be closed while it lives; unlinking the
+        # name when the cache is collected (or at exit, by the resource tracker) leaves peers'
+        # mappings valid and frees the memory once every mapping is gone.
+        weakref.finalize(self, _unlink, shm)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # frombuffer warns about non-writable buffers only
+            flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
+        return flat.view(dtype).view(shape)
 
     def key_cache(self, layer: int) -> torch.Tensor:
         return self.data[layer, 0]  # [num_blocks + 1, block_size, KVH, D]

@@ -298,6 +298,12 @@ class KVTransport(ABC):
             out.metrics.chunks += 1
             out.metrics.bytes += info.nbytes
 
+    def sent_layers(self, request_id: str) -> set[int]:
+        """Layers of a send in progress already handed to the transport (empty when none is)."""
+        with self.lock:
+            out = self._outbound.get(request_id)
+        return set(out.sent_layers) if out is not None else set()
+
     def finish(self, request_id: str) -> TransferMetrics:
         """Send the layers not yet sent, wait for the acknowledgement (retrying a damaged transfer up
         to ``max_retries`` times) and free the sender's blocks. Raises KVTransferError on failure."""

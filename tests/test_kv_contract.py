@@ -19,22 +19,24 @@ SENDER_BLOCKS = 64
 RECEIVER_BLOCKS = 48
 # 256-byte block layers and 1 KiB chunks: several chunks per layer, so mid-transfer paths exist.
 CFG = TransferConfig(chunk_bytes=1024, max_message_bytes=1 << 20, reap_interval_s=0.05, rpc_timeout_s=20)
-BACKENDS = ["local", "grpc", "shm", "torch_dist"]
+# "shm-zero-copy": the shm backend from a KV cache allocated in shared memory (read in place).
+BACKENDS = ["local", "grpc", "shm", "shm-zero-copy", "torch_dist"]
 
 
 class Pair:
     def __init__(self, backend: str) -> None:
         self.backend = backend
-        self.cache = KVCache(SPEC, SENDER_BLOCKS)
+        self.path = "shm" if backend == "shm-zero-copy" else backend
+        self.cache = KVCache(SPEC, SENDER_BLOCKS, shared_memory=backend == "shm-zero-copy")
         self.alloc = BlockAllocator(SENDER_BLOCKS)
         self.dist_init = None
         if backend == "local":
             self.endpoint = LocalEndpoint("local", SPEC, RECEIVER_BLOCKS, CFG)
             self.sender = create_transport("local", self.cache, self.alloc, CFG)
-        elif backend in ("grpc", "shm"):
+        elif backend in ("grpc", "shm", "shm-zero-copy"):
             self.endpoint = EndpointProcess("grpc", SPEC, RECEIVER_BLOCKS, CFG)
-            cfg = TransferConfig(**{**CFG.__dict__, "same_node_fast_path": backend == "shm"})
-            self.sender = create_transport(backend, self.cache, self.alloc, cfg)
+            cfg = TransferConfig(**{**CFG.__dict__, "same_node_fast_path": self.path == "shm"})
+            self.sender = create_transport(self.path, self.cache, self.alloc, cfg)
         else:
             init = f"tcp://127.0.0.1:{free_port()}"
             self.endpoint = EndpointProcess(
@@ -107,7 +109,7 @@ def test_roundtrip_data_handshake_and_metrics(pair: Pair) -> None:
     assert got["num_tokens"] == 37 and got["first_token"] == 1234
     assert torch.equal(got["data"], want)
     assert m.status == "ok" and m.bytes > 0 and m.latency_s > 0 and m.chunks > 1 and m.attempts == 1
-    assert m.backend == pair.backend
+    assert m.backend == pair.path
     assert pair.sender.metrics()[-1]["throughput_gbps"] > 0
     pair.assert_no_leaks()
 

@@ -1,0 +1,133 @@
+"""Layer streaming from the engine's prefill: the KV of layer i leaves while later layers compute,
+arrives intact in another process, and every failure path frees the blocks on both sides."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from engine_helpers import random_prompts, small_config
+
+from engine.llm_engine import LLMEngine
+from engine.request import Request, SamplingParams
+from kv_transfer import KVTransferError, TransferConfig, TransferStatus, create_transport
+from kv_transfer.endpoint import EndpointProcess, gather_tokens
+from kv_transfer.streaming import FIRST_TOKEN_PENDING, LayerStreamer
+
+# 2 KiB block layers on the tiny model: a 60-token prompt is several chunks per layer.
+CFG = TransferConfig(chunk_bytes=4096, max_message_bytes=1 << 20, rpc_timeout_s=20, same_node_fast_path=False)
+RECEIVER_BLOCKS = 32
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(small_config())
+
+
+@pytest.fixture(scope="module")
+def endpoint(engine: LLMEngine):
+    ep = EndpointProcess("grpc", engine.kv_spec, RECEIVER_BLOCKS, CFG)
+    ep.wait_ready()
+    yield ep
+    ep.close()
+
+
+@pytest.fixture
+def sender(engine: LLMEngine):
+    tx = create_transport("grpc", engine.kv_cache, engine.allocator, CFG)
+    yield tx
+    tx.close()
+
+
+def _request(engine: LLMEngine, rid: str, n: int, seed: int) -> Request:
+    req = Request(rid, random_prompts([n], seed=seed)[0], SamplingParams(max_tokens=4))
+    # Blocks before the prefill: the handshake leases them; prefill_only grows only what is missing.
+    req.block_ids = engine.allocator.allocate(engine.kv_spec.blocks_for_tokens(n))
+    return req
+
+
+def _assert_no_leaks(engine: LLMEngine, endpoint: EndpointProcess, sender) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        rx = endpoint.stats()
+        if engine.allocator.num_used == 0 and rx["used_blocks"] == 0 and rx["in_flight"] == 0:
+            break
+        time.sleep(0.05)
+    engine.check_integrity()
+    assert engine.allocator.num_used == 0, "sender leaks blocks"
+    assert rx["used_blocks"] == 0 and rx["in_flight"] == 0, f"receiver holds blocks: {rx}"
+    assert len(sender.leases) == 0
+
+
+def test_layers_leave_during_prefill_and_arrive_intact(engine, endpoint, sender) -> None:
+    n = 60
+    req = _request(engine, "stream", n, seed=1)
+    streamer = LayerStreamer(sender)
+    assert streamer.begin(endpoint.address, req.request_id, req.block_ids, n)
+    last = engine.kv_spec.num_layers - 1
+    sent_before_last: list[set[int]] = []
+
+    def hook(layer: int) -> None:
+        streamer.on_layer_written(layer)
+        if layer == last:
+            # Still inside the forward pass: the earlier layers must already be on their way.
+            deadline = time.monotonic() + 10
+            while sender.sent_layers("stream") < set(range(last)) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            sent_before_last.append(sender.sent_layers("stream"))
+
+    outs = engine.prefill_only([req], on_layer_written=hook)
+    want = gather_tokens(engine.kv_cache, req.block_ids, n).clone()  # [L, 2, n, KVH, D]
+    engine.detach("stream")  # the transport owns the blocks now
+    results = streamer.finish()
+
+    assert sent_before_last and sent_before_last[0] >= set(range(last))
+    m = results["stream"]
+    assert not isinstance(m, Exception) and m.status == "ok" and m.attempts == 1
+    got = endpoint.receive(10)
+    assert got["request_id"] == "stream" and got["num_tokens"] == n
+    # The first token is sampled after the last layer: the announcement carries it, not the handshake.
+    assert got["first_token"] == FIRST_TOKEN_PENDING and outs[0].new_token_ids
+    assert torch.equal(got["data"], want)
+    _assert_no_leaks(engine, endpoint, sender)
+
+
+def test_without_the_hook_finish_sends_every_layer(engine, endpoint, sender) -> None:
+    req = _request(engine, "nohook", 33, seed=2)
+    streamer = LayerStreamer(sender)
+    streamer.begin(endpoint.address, req.request_id, req.block_ids, 33, first_token=7)
+    engine.prefill_only([req])
+    want = gather_tokens(engine.kv_cache, req.block_ids, 33).clone()
+    engine.detach("nohook")
+    assert streamer.finish()["nohook"].status == "ok"
+    got = endpoint.receive(10)
+    assert got["first_token"] == 7 and torch.equal(got["data"], want)
+    _assert_no_leaks(engine, endpoint, sender)
+
+
+def test_abort_while_streaming_frees_both_sides(engine, endpoint, sender) -> None:
+    req = _request(engine, "abort", 60, seed=3)
+    streamer = LayerStreamer(sender)
+    streamer.begin(endpoint.address, req.request_id, req.block_ids, 60)
+    streamer.on_layer_written(0)
+    streamer.on_layer_written(1)
+    streamer.abort("prefill failed")
+    results = streamer.finish()
+    assert isinstance(results["abort"], KVTransferError)
+    assert results["abort"].status is TransferStatus.ABORTED
+    assert endpoint.receive(0.5) is None
+    _assert_no_leaks(engine, endpoint, sender)
+
+
+def test_a_full_receiver_is_reported_without_leaks(engine, endpoint, sender) -> None:
+    n = (RECEIVER_BLOCKS + 1) * engine.kv_spec.block_size
+    req = Request("full", random_prompts([n], seed=4)[0], SamplingParams(max_tokens=2))
+    req.block_ids = engine.allocator.allocate(engine.kv_spec.blocks_for_tokens(n))
+    streamer = LayerStreamer(sender)
+    assert not streamer.begin(endpoint.address, "full", req.block_ids, n)
+    streamer.on_layer_written(0)  # nothing started: a no-op
+    err = streamer.finish()["full"]
+    assert isinstance(err, KVTransferError) and err.receiver_full
+    req.block_ids = []  # freed by the transport on refusal
+    _assert_no_leaks(engine, endpoint, sender)

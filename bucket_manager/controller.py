@@ -214,6 +214,24 @@ class Controller:
         self._mark_down(worker_id)
         self._wake.set()
 
+    async def worker_down(self, worker_id: str) -> list[str]:
+        """A worker died: mark it down and give up the requests that can no longer finish; returns their ids.
+
+        Those are the requests placed on a dead decode worker (their KV died with it), and, once no decode or
+        no prefill worker is left alive, every request still in the cluster, which would otherwise wait for
+        ever. The caller (a gateway) ends their streams with an error; the ids are forgotten here, so a
+        prefill worker that later gives one of them back is told not to retry.
+        """
+        self._mark_down(worker_id)
+        lost = [rid for rid, (_, did) in self.placement.items() if did == worker_id]
+        pools = (self.prefill, self.decode)
+        if any(pool and not any(w.alive for w in pool.values()) for pool in pools):
+            lost = list(self.summaries)
+        for rid in lost:
+            self._forget(rid)
+        self._wake.set()
+        return lost
+
     async def state(self) -> dict:
         return {
             "queued": len(self.queue),

@@ -15,9 +15,18 @@ from decode_worker.base import EngineWorker
 from decode_worker.config import WorkerConfig
 from engine.llm_engine import RequestRejected
 from engine.messages import RequestMessage
-from engine.request import FinishReason, RequestOutput
+from engine.request import FinishReason, PriorityClass, Request, RequestOutput
 
 logger = logging.getLogger(__name__)
+
+
+def admission_order(req: Request) -> tuple[int, int]:
+    """Online before offline, then the higher ``priority_level`` first; the engine keeps FCFS among equals.
+
+    Colocated mode has no controller in front of the engine, so the priority classes the gateway assigns
+    are applied here, where the backlog forms (the engine's waiting queue).
+    """
+    return (0 if req.priority_class == PriorityClass.ONLINE else 1, -req.priority_level)
 
 
 class ColocatedWorker(EngineWorker):
@@ -25,6 +34,7 @@ class ColocatedWorker(EngineWorker):
 
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
+        self.engine.waiting_key = admission_order
         self._inbox: queue.SimpleQueue[tuple[str, object, threading.Event | None]] = queue.SimpleQueue()
         self._consumer: dict[str, str] = {}
         self._start(self._loop)

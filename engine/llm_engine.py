@@ -65,6 +65,8 @@ class LLMEngine:
         self.limits = StepLimits(sched.max_num_seqs, sched.max_num_prefill_seqs, sched.max_num_batched_tokens)
         self.sampler = Sampler(cfg.seed)
         self.waiting: collections.deque[Request] = collections.deque()
+        # Optional admission order of new requests (smaller key first; equal keys stay FCFS). None: FCFS.
+        self.waiting_key: Callable[[Request], tuple] | None = None
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = set(self.loaded.eos_token_ids)
@@ -125,7 +127,16 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        key = self.waiting_key
+        if key is None:
+            self.waiting.append(req)
+            return
+        k = key(req)
+        # Behind every waiting request of an equal or smaller key: stable, so FCFS within a key.
+        pos = len(self.waiting)
+        while pos > 0 and k < key(self.waiting[pos - 1]):
+            pos -= 1
+        self.waiting.insert(pos, req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)

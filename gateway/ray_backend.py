@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
+
+import ray
 
 from bucket_manager.memory_budget import safe_blocks
 from bucket_manager.request import PriorityClass as SummaryClass
@@ -38,6 +41,7 @@ class _Stream:
         self.delivered = 0
         self.pending: dict[int, RequestOutput] = {}
         self.worker: Any = None  # colocated mode: the worker that runs it
+        self.worker_name: str | None = None
 
     def push(self, out: RequestOutput) -> None:
         n = len(out.new_token_ids)
@@ -116,6 +120,9 @@ class RayClusterBackend(ServingBackend):
             raise Rejected(
                 f"prompt + max_tokens needs {need} KV blocks; a worker's cache holds {self._decode_capacity}"
             )
+        for role in ("colocated",) if self.config.mode == "colocated" else ("prefill", "decode"):
+            if all(name in self._down for name in self.handles.by_role(role)):
+                raise Unavailable(f"every {role} worker is down; the cluster cannot serve requests")
         if req.request_id in self._streams:
             raise Rejected(f"request id {req.request_id!r} is already in flight")
         if len(self._streams) >= self.config.max_pending:
@@ -132,7 +139,11 @@ class RayClusterBackend(ServingBackend):
         finished = False
         try:
             msg = RequestMessage.from_request(req, self.consumer_id)
-            await self._submit(msg, stream)
+            try:
+                await self._submit(msg, stream)
+            except Exception as e:
+                # The controller or the chosen worker is gone: a clear 503, not an unexplained 500.
+                raise Unavailable(f"could not submit the request to the cluster: {type(e).__name__}") from e
             while True:
                 out = await stream.queue.get()
                 finished = out.finished
@@ -159,6 +170,7 @@ class RayClusterBackend(ServingBackend):
                         load[n] += 1
             name, handle = min(live, key=lambda nh: load[nh[0]])
             stream.worker = handle
+            stream.worker_name = name
             await handle.submit.remote(msg)
             return
         summary = RequestSummary(
@@ -256,7 +268,39 @@ class RayClusterBackend(ServingBackend):
             return
         # A new event loop (tests, a restarted replica): the old tasks died with the old loop.
         self._loop = loop
-        self._pollers = [loop.create_task(self._poll(n, h)) for n, (_, h) in self.handles.workers.items()]
+        # A fresh context: created inside a request, the tasks would inherit its Ray Serve request context, and
+        # Serve cancels the Ray calls of a request whose client disconnects (the drains of every stream).
+        self._pollers = [
+            loop.create_task(self._poll(n, h), context=contextvars.Context())
+            for n, (_, h) in self.handles.workers.items()
+        ]
+
+    async def _fail_lost(self, name: str) -> None:
+        """End with an error every stream of this gateway that cannot finish now that ``name`` is down."""
+        if self.handles.controller is not None:
+            try:
+                lost = await asyncio.wait_for(self.handles.controller.worker_down.remote(name), 10.0)
+            except Exception as e:
+                logger.error("controller unreachable after %s went down: %s", name, e)
+                # Without the controller nothing placed can finish: fail all rather than hang.
+                lost = list(self._streams)
+        else:
+            lost = [rid for rid, s in self._streams.items() if s.worker_name == name]
+        for rid in lost:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.push(
+                    RequestOutput(
+                        rid,
+                        [],
+                        [],
+                        True,
+                        FinishReason.ERROR,
+                        0,
+                        stream.delivered,
+                        error=f"worker {name} died while serving this request; it was aborted",
+                    )
+                )
 
     async def _poll(self, name: str, handle: Any) -> None:
         while not self._closed:
@@ -267,14 +311,18 @@ class RayClusterBackend(ServingBackend):
                 self._down.discard(name)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:
+            except ray.exceptions.RayActorError as e:
+                # The actor is dead (killed, crashed, its node gone): what it held cannot finish.
                 if name not in self._down:
-                    logger.error("worker %s unreachable: %s", name, e)
+                    logger.error("worker %s is down: %s", name, e)
                     self._down.add(name)
-                    if self.handles.controller is not None:
-                        with contextlib.suppress(Exception):
-                            self.handles.controller.mark_down.remote(name)
+                    await self._fail_lost(name)
                 await asyncio.sleep(1.0)
+                continue
+            except Exception as e:
+                # Anything else (a cancelled or timed-out call) is not a death sentence: retry.
+                logger.warning("drain from worker %s failed (%s: %s); retrying", name, type(e).__name__, e)
+                await asyncio.sleep(0.1)
                 continue
             for out in outs:
                 stream = self._streams.get(out.request_id)

@@ -126,6 +126,34 @@ def test_online_first_token_before_earlier_offline_under_backlog(backends):
     assert_no_leaks(asyncio.run(wait_idle(backend)))
 
 
+def test_colocated_online_first_token_before_earlier_offline_under_backlog(backends):
+    backend = backends["colocated"]
+
+    async def waiting() -> int:
+        return sum(s["waiting"] for s in (await backend.worker_stats()).values())
+
+    async def run():
+        offline = [
+            asyncio.ensure_future(collect(backend, make_request(f"c-off{i}", 100, 2, priority="offline")))
+            for i in range(16)
+        ]
+        # The backlog forms in the worker's engine queue (no controller in this mode): wait for it.
+        deadline = time.monotonic() + 10
+        while await waiting() < 4:
+            assert time.monotonic() < deadline, "no backlog formed"
+            await asyncio.sleep(0.005)
+        online = [collect(backend, make_request(f"c-on{i}", 100, 2)) for i in range(2)]
+        online_done = await asyncio.gather(*online)
+        return online_done, await asyncio.gather(*offline)
+
+    online, offline = asyncio.run(run())
+    last_online = max(o.first_token_at for o in online)
+    overtaken = [o for o in offline if o.first_token_at > last_online]
+    # FCFS would serve every earlier offline request first; online ones must jump the waiting queue.
+    assert len(overtaken) >= 2, len(overtaken)
+    assert_no_leaks(asyncio.run(wait_idle(backend)))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_cancelled_stream_frees_blocks_on_every_worker(backends, mode):
     backend = backends[mode]

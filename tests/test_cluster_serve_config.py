@@ -44,3 +44,17 @@ def test_bad_values_name_the_field():
     args.prefill_workers = 0
     with pytest.raises(ValueError, match="ClusterConfig.prefill_workers"):
         cluster_config_from_args(args)
+
+
+def test_deploy_serve_config_args_are_serve_keys_with_their_defaults_valid():
+    from pathlib import Path
+
+    doc = yaml.safe_load((Path(__file__).parent.parent / "deploy" / "serve_config.yaml").read_text())
+    (app,) = doc["applications"]
+    assert app["import_path"] == "gateway.commands.serve:build_serve_app"
+    keys = config_keys(app["args"], "deploy/serve_config.yaml")  # raises on an unknown key
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    p.set_defaults(**keys)
+    cfg = cluster_config_from_args(p.parse_args([]), detached=True)
+    assert cfg.mode == app["args"]["mode"] and cfg.engine.model == app["args"]["model"]

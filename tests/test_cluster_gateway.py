@@ -1,0 +1,239 @@
+"""The product end to end: HTTP through the Ray Serve gateway into the Ray cluster (controller, prefill/decode or
+colocated workers, real gRPC KV transfer, the tiny model), in both modes.
+
+Per mode, one cluster is launched here (its handle reads the workers' own KV figures) and two small gateway
+applications connect to it by actor name, as ``bucketserve serve`` does: ``/`` with a roomy admission bound and
+``/tight`` with a bound of two requests (for the 429). They are deleted, and the cluster stopped, between modes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import random
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from cluster_helpers import NUM_BLOCKS, cluster_config, reference_tokens, wait_idle
+
+from gateway.app import build_app
+from gateway.backend import GatewaySettings
+from gateway.commands.serve import connect_backend
+from gateway.ray_backend import RayClusterBackend
+
+pytestmark = pytest.mark.slow
+
+MODES = ("disaggregated", "colocated")
+MAX_MODEL_LEN = 512  # cluster_helpers.cluster_config's
+TIGHT = 2  # admission bound of the /tight application
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def serve_url(ray_session) -> Iterator[str]:
+    from ray import serve
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+@dataclass
+class Served:
+    mode: str
+    url: str
+    backend: RayClusterBackend  # the launcher's own handle: worker stats, controller state
+
+
+@pytest.fixture(scope="module", params=MODES)
+def served(request, serve_url: str) -> Iterator[Served]:
+    from ray import serve
+
+    mode = request.param
+    config = cluster_config(mode, f"gw-{mode}")
+    backend = RayClusterBackend(config)
+    apps = {"main": ("/", 64), "tight": ("/tight", TIGHT)}
+    try:
+        for name, (prefix, bound) in apps.items():
+            # Each replica connects to the cluster by actor name; only the admission bound differs.
+            factory = functools.partial(connect_backend, dataclasses.replace(config, max_pending=bound))
+            app = build_app(
+                GatewaySettings(backend_factory=factory), ray_actor_options={"num_cpus": 0}, name=f"gw-{name}"
+            )
+            serve.run(app, name=f"{mode}-{name}", route_prefix=prefix)
+        yield Served(mode, serve_url, backend)
+    finally:
+        for name in apps:
+            serve.delete(f"{mode}-{name}")
+        asyncio.run(backend.shutdown())
+
+
+def assert_no_leaks(stats: dict[str, dict]) -> None:
+    for name, s in stats.items():
+        assert s["kv_blocks_used"] == 0, f"{name} still holds {s['kv_blocks_used']} blocks"
+        assert s["kv_blocks_free"] == s["kv_blocks_total"] == NUM_BLOCKS, name
+        assert s["integrity_error"] is None, f"{name}: {s['integrity_error']}"
+
+
+def _ids(labels: list[str]) -> list[int]:
+    assert all(t.startswith("token_id:") for t in labels), labels
+    return [int(t.split(":", 1)[1]) for t in labels]
+
+
+async def _complete(c: httpx.AsyncClient, prompt: list[int], n: int, stream: bool) -> tuple[list[int], str]:
+    """Token ids and finish reason of one greedy completion, streamed (SSE) or not."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        "stream": stream,
+    }
+    if not stream:
+        r = await c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        res = r.json()
+        assert res["usage"]["completion_tokens"] == n
+        choice = res["choices"][0]
+        return _ids(choice["logprobs"]["tokens"]), choice["finish_reason"]
+    tokens: list[int] = []
+    finish = None
+    async with c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        lines = [line async for line in r.aiter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        chunk = json.loads(line.removeprefix("data: "))
+        assert "error" not in chunk, chunk
+        choice = chunk["choices"][0]
+        if choice["logprobs"] is not None:
+            tokens += _ids(choice["logprobs"]["tokens"])
+        finish = choice["finish_reason"] or finish
+    return tokens, str(finish)
+
+
+def test_greedy_over_http_equals_hf_for_16_concurrent_requests(served: Served) -> None:
+    rng = random.Random(11)
+    prompts = [[rng.randrange(10, 4000) for _ in range(rng.randint(3, 200))] for _ in range(16)]
+    max_tokens = [rng.randint(1, 24) for _ in prompts]
+    # Together they need more KV blocks than a worker has: some wait their turn.
+    assert sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, max_tokens, strict=True)) > NUM_BLOCKS
+
+    async def run() -> list[tuple[list[int], str]]:
+        async with httpx.AsyncClient(base_url=served.url, timeout=120) as c:
+            return await asyncio.gather(
+                *(
+                    _complete(c, p, n, stream=i % 2 == 0)
+                    for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True))
+                )
+            )
+
+    results = asyncio.run(run())
+    for i, (p, n, (tokens, finish)) in enumerate(zip(prompts, max_tokens, results, strict=True)):
+        assert tokens == reference_tokens(p, n), f"request {i} ({'streamed' if i % 2 == 0 else 'json'})"
+        assert finish == "length"
+    assert_no_leaks(asyncio.run(wait_idle(served.backend)))
+
+
+BAD_INPUT = [
+    (b'{"prompt": "hi", "max_tokens": ', 400, "json"),
+    (json.dumps({"prompt": "hi", "max_tokens": "ten"}), 400, "max_tokens"),
+    (json.dumps({"prompt": 3.5}), 400, "prompt"),
+    (json.dumps({"prompt": ""}), 400, "prompt"),
+    (json.dumps({"prompt": []}), 400, "prompt"),
+    (json.dumps({"prompt": "hi", "max_tokens": -4}), 400, "max_tokens"),
+    (json.dumps({"prompt": "hi", "model": "no-such-model"}), 404, "no-such-model"),
+    (json.dumps({"prompt": "word " * (MAX_MODEL_LEN + 10)}), 400, "max_model_len"),
+    (json.dumps({"prompt": "hi", "max_tokens": MAX_MODEL_LEN}), 400, "max_model_len"),
+]
+
+
+def test_bad_input_through_the_gateway_is_a_4xx_naming_the_problem(served: Served) -> None:
+    with httpx.Client(base_url=served.url, timeout=30) as c:
+        for raw, status, fragment in BAD_INPUT:
+            r = c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == status, (raw, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+            assert fragment in err["message"].lower() or fragment == err["param"], (raw, err)
+
+
+def test_disconnect_mid_stream_frees_blocks_on_every_worker(served: Served) -> None:
+    body = {"prompt": list(range(100, 220)), "max_tokens": 300, "ignore_eos": True, "stream": True}
+
+    async def run() -> tuple[dict, dict]:
+        async with (
+            httpx.AsyncClient(base_url=served.url, timeout=60) as c,
+            c.stream("POST", "/v1/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 5:
+                    break
+            busy = await served.backend.worker_stats()
+        # Leaving the block closed the connection (and the client) mid-stream.
+        return busy, await wait_idle(served.backend, timeout=20)
+
+    busy, idle = asyncio.run(run())
+    assert sum(s["kv_blocks_used"] for s in busy.values()) > 0, "the request should hold KV while it streams"
+    assert_no_leaks(idle)
+    if served.backend.handles.controller is not None:
+        state = asyncio.run(_controller_state(served.backend))
+        assert state["in_cluster"] == 0 and all(d["reserved"] == 0 for d in state["decode"].values())
+
+
+async def _controller_state(backend: RayClusterBackend) -> dict:
+    return await backend.handles.controller.state.remote()
+
+
+def test_admission_bound_answers_429_with_retry_after(served: Served) -> None:
+    long = {"prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "stream": True}
+
+    async def run() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=f"{served.url}/tight", timeout=60) as c:
+            held = [
+                await c.send(c.build_request("POST", "/v1/completions", json=long), stream=True)
+                for _ in range(TIGHT)
+            ]
+            try:
+                for r in held:
+                    assert r.status_code == 200, await r.aread()
+                # The gateway answered 200 once each had its first token: both slots are taken.
+                return await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            finally:
+                for r in held:
+                    await r.aclose()
+
+    r = asyncio.run(run())
+    assert r.status_code == 429, r.text
+    assert int(r.headers["Retry-After"]) >= 1
+    err = r.json()["error"]
+    assert err["type"] == "rate_limit_error" and "limit 2" in err["message"]
+    assert_no_leaks(asyncio.run(wait_idle(served.backend, timeout=20)))
+    # The closed streams gave their slots back.
+    with httpx.Client(base_url=f"{served.url}/tight", timeout=60) as c:
+        again = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert again.status_code == 200, again.text
+
+
+def test_health_and_models_through_the_gateway(served: Served) -> None:
+    with httpx.Client(base_url=served.url, timeout=30) as c:
+        health = c.get("/health")
+        assert health.status_code == 200, health.text
+        assert health.json()["mode"] == served.mode
+        assert c.get("/v1/models").json()["data"][0]["id"] == "tiny"

@@ -432,10 +432,11 @@ class ServerProcess:
         return pids
 
     def stop(self, grace_s: float = 45.0) -> list[int]:
-        """SIGINT (clean shutdown) to the group, then SIGKILL to whatever of the session is left; returns the
-        pids that had to be killed."""
+        """SIGINT (its clean shutdown) to the server, SIGKILL to its group when it is not done in ``grace_s``,
+        then SIGKILL to whatever of its session is left; returns the pids killed in that last sweep."""
+        # The server alone gets the SIGINT: its helpers (Ray's) must stay up while it shuts them down in order.
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.sid, signal.SIGINT)
+            self.proc.send_signal(signal.SIGINT)
         try:
             self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:

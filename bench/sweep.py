@@ -258,8 +258,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         "## Latency per rate (p50 / p99 ms)",
         "",
-        "| system | rate | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | goodput req/s | output tok/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| system | rate | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | goodput req/s | output tok/s | load 1m |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in doc["systems"]:
         for p in s["points"]:
@@ -268,7 +268,7 @@ def markdown(doc: dict[str, Any]) -> str:
             lines.append(
                 f"| {s['name']} | {p['request_rate']} | {_f(p.get('ttft_p50_ms'), 1)} | {_f(p.get('ttft_p99_ms'), 1)} "
                 f"| {_f(p.get('tpot_p50_ms'), 1)} | {_f(p.get('tpot_p99_ms'), 1)} | {_f(p.get('goodput_rps'))} "
-                f"| {_f(p.get('output_tok_per_s'), 1)} |"
+                f"| {_f(p.get('output_tok_per_s'), 1)} | {_f(p.get('load_avg_1m'), 1)} |"
             )
     lines += ["", "## Systems", ""]
     for s in doc["systems"]:
@@ -555,6 +555,8 @@ def run_system(
                 )
             )
             summary = result.summary()
+            # The machine's 1-minute load after the point: other work on a shared box shows up here.
+            summary["load_avg_1m"] = round(os.getloadavg()[0], 2)
             run.points.append(summary)
             logger.info(
                 "%s @ %g req/s: attainment %s, %d failed",

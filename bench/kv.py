@@ -34,8 +34,9 @@ SMALL_SPEC = KVCacheSpec(
 )
 DEFAULT_OUT = Path("bench/results/kv.json")
 # Defaults picked from the `--grid` run on this host (see the report).
-DEFAULT_CHUNK_MB = 4.0
-DEFAULT_STREAMS = 2
+DEFAULT_CHUNK_MB = 1.0
+DEFAULT_STREAMS = 1
+DEFAULT_SHM_CHUNK_MB = 8.0
 
 
 def register(bench_subparsers) -> None:
@@ -51,12 +52,16 @@ def register(bench_subparsers) -> None:
         default=7,
         help="timed rounds per size; a round moves the payload once over every path, in rotating order",
     )
-    p.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_MB, help="chunk size of the transports")
+    p.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_MB, help="chunk size of gRPC")
+    p.add_argument(
+        "--shm-chunk-mb", type=float, default=DEFAULT_SHM_CHUNK_MB, help="chunk size of the same-node path"
+    )
     p.add_argument("--streams", type=int, default=DEFAULT_STREAMS, help="parallel gRPC streams per transfer")
     p.add_argument(
         "--grid",
         action="store_true",
-        help="also time gRPC at chunk sizes {1,2,4,8} MiB x streams {1,2,4} (interleaved in the rounds)",
+        help="also time gRPC at chunk sizes {1,2,4,8} MiB x streams {1,2,4} and the same-node path at "
+        "{2,4,16} MiB chunks (interleaved in the rounds)",
     )
     p.add_argument("--prefill-tokens", type=int, default=2048, help="prompt length of the prefill timing")
     p.add_argument(
@@ -319,13 +324,18 @@ def run(args: argparse.Namespace) -> int:
     cache = KVCache(spec, num_blocks, shared_memory=True)
     cache.data.normal_()
     alloc = BlockAllocator(num_blocks)
+    shm_chunk = int(args.shm_chunk_mb * (1 << 20))
     big_chunk = max(chunk, 8 << 20)
-    shm_cfg = TransferConfig(
-        chunk_bytes=chunk,
-        max_message_bytes=big_chunk + (8 << 20),
-        rpc_timeout_s=120.0,
-        shm_ring_bytes=max(64 << 20, 4 * chunk),
-    )
+
+    def shm_cfg(c: int) -> TransferConfig:
+        return TransferConfig(
+            chunk_bytes=chunk,
+            shm_chunk_bytes=c,
+            max_message_bytes=big_chunk + (8 << 20),
+            rpc_timeout_s=120.0,
+            shm_ring_bytes=max(64 << 20, 4 * c),
+        )
+
     endpoint = EndpointProcess(
         "grpc", spec, num_blocks, TransferConfig(max_message_bytes=big_chunk + (8 << 20), rpc_timeout_s=120.0)
     )
@@ -336,13 +346,18 @@ def run(args: argparse.Namespace) -> int:
         endpoint.wait_ready()
         paths = [
             TransportPath("grpc", "grpc", cache, alloc, endpoint, _grpc_cfg(chunk, args.streams)),
-            TransportPath("local", "shm", cache, alloc, endpoint, shm_cfg),
+            TransportPath("local", "shm", cache, alloc, endpoint, shm_cfg(shm_chunk)),
             SocketPath(),
         ]
         paths += [
             TransportPath(f"grpc-{c >> 20}MiB-x{s}", "grpc", cache, alloc, endpoint, _grpc_cfg(c, s))
             for c, s in grid
             if (c, s) != (chunk, args.streams)
+        ]
+        paths += [
+            TransportPath(f"shm-{c}MiB", "shm", cache, alloc, endpoint, shm_cfg(c << 20))
+            for c in ((2, 4, 16) if args.grid else ())
+            if c << 20 != shm_chunk
         ]
         for tokens in sorted(args.tokens):
             nbytes = spec.blocks_for_tokens(tokens) * spec.bytes_per_block
@@ -366,9 +381,9 @@ def run(args: argparse.Namespace) -> int:
                 "grpc_ratio_median": _round_ratio(times["grpc"], times["socket"]),
                 "local_ratio_median": _round_ratio(times["local"], times["socket"]),
                 "grid": {
-                    k: {"gbps": round(v["gbps"], 3), "ratio": round(v["gbps"] / sock["gbps"], 3)}
+                    k: {"gbps": round(v["gbps"], 3), "ratio": _round_ratio(times[k], times["socket"])}
                     for k, v in st.items()
-                    if k.startswith("grpc")
+                    if k != "socket"
                 },
                 "repeats": args.repeats,
             }
@@ -397,6 +412,7 @@ def run(args: argparse.Namespace) -> int:
         "repeats": args.repeats,
         "grpc_chunk_mib": args.chunk_mb,
         "grpc_streams": args.streams,
+        "shm_chunk_mib": args.shm_chunk_mb,
     }
     share = None
     if not args.no_prefill:

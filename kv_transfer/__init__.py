@@ -13,6 +13,7 @@ from .base import (
 )
 from .config import TransferConfig
 from .receiver import KVReceiver
+from .streaming import FIRST_TOKEN_PENDING, LayerStreamer
 from .types import (
     Handshake,
     HandshakeResult,
@@ -23,12 +24,14 @@ from .types import (
 )
 
 __all__ = [
+    "FIRST_TOKEN_PENDING",
     "FaultInjector",
     "Handshake",
     "HandshakeResult",
     "KVReceiver",
     "KVTransferError",
     "KVTransport",
+    "LayerStreamer",
     "ReceivedKV",
     "SenderSession",
     "TransferConfig",

@@ -214,14 +214,13 @@ class KVTransport(ABC):
             )
         self._start_reaper()
         self.leases.grant(request_id, list(block_ids))
-        plans = plan_chunks(spec, len(block_ids), self.config.chunk_bytes)
         out = _Outbound(
             peer,
             request_id,
             list(block_ids),
             num_tokens,
             first_token,
-            plans,
+            [],  # planned per attempt, once the way to the peer is known
             TransferMetrics(request_id, self.name, peer, num_tokens),
             time.perf_counter(),
         )
@@ -233,7 +232,13 @@ class KVTransport(ABC):
             self._end(out, e if isinstance(e, KVTransferError) else None)
             raise
 
+    def _chunk_bytes(self, peer: str) -> int:
+        """Chunk size towards ``peer`` (a backend with several ways to a peer may pick per way)."""
+        return self.config.chunk_bytes
+
     def _open_attempt(self, out: _Outbound) -> None:
+        if not out.plans:
+            out.plans = plan_chunks(self.cache.spec, len(out.block_ids), self._chunk_bytes(out.peer))
         out.attempt += 1
         out.metrics.attempts = out.attempt
         out.broken = None

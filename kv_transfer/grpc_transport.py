@@ -504,7 +504,7 @@ class GrpcKVTransport(KVTransport):
     def ring(self) -> ShmRing:
         with self.lock:
             if self._ring is None:
-                slot = max(self.config.chunk_bytes, block_layer_bytes(self.cache.spec))
+                slot = max(self.config.shm_chunk_bytes, block_layer_bytes(self.cache.spec))
                 self._ring = ShmRing(max(self.config.shm_ring_bytes, slot), slot)
             return self._ring
 
@@ -525,6 +525,9 @@ class GrpcKVTransport(KVTransport):
         with self.lock:
             self._routes[peer] = route
         return route
+
+    def _chunk_bytes(self, peer: str) -> int:
+        return self.config.shm_chunk_bytes if self.route(peer) == "shm" else self.config.chunk_bytes
 
     def _connect(self, peer: str, hs: Handshake) -> tuple[HandshakeResult, SenderSession | None]:
         route = self.route(peer)

@@ -18,7 +18,9 @@ SPEC = KVCacheSpec(architecture="LlamaForCausalLM", num_layers=3, num_kv_heads=2
 SENDER_BLOCKS = 64
 RECEIVER_BLOCKS = 48
 # 256-byte block layers and 1 KiB chunks: several chunks per layer, so mid-transfer paths exist.
-CFG = TransferConfig(chunk_bytes=1024, max_message_bytes=1 << 20, reap_interval_s=0.05, rpc_timeout_s=20)
+CFG = TransferConfig(
+    chunk_bytes=1024, shm_chunk_bytes=1024, max_message_bytes=1 << 20, reap_interval_s=0.05, rpc_timeout_s=20
+)
 # "shm-zero-copy": the shm backend from a KV cache allocated in shared memory (read in place).
 BACKENDS = ["local", "grpc", "shm", "shm-zero-copy", "torch_dist"]
 

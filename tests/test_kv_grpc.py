@@ -13,7 +13,7 @@ from kv_transfer import KVTransferError, TransferConfig, TransferStatus, create_
 from kv_transfer.endpoint import LocalEndpoint, gather_tokens
 
 SPEC = KVCacheSpec(architecture="LlamaForCausalLM", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
-BASE = {"chunk_bytes": 512, "max_message_bytes": 1 << 20, "rpc_timeout_s": 10.0}
+BASE = {"chunk_bytes": 512, "shm_chunk_bytes": 512, "max_message_bytes": 1 << 20, "rpc_timeout_s": 10.0}
 
 
 def _sender(**cfg) -> tuple:

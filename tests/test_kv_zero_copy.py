@@ -20,7 +20,7 @@ from kv_transfer.shm import ShmRing
 from kv_transfer.wire import crc32
 
 SPEC = KVCacheSpec(architecture="LlamaForCausalLM", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
-CFG = TransferConfig(chunk_bytes=1024, max_message_bytes=1 << 20, rpc_timeout_s=20)
+CFG = TransferConfig(chunk_bytes=1024, shm_chunk_bytes=1024, max_message_bytes=1 << 20, rpc_timeout_s=20)
 BLOCKS = 32
 
 

@@ -36,7 +36,7 @@ DEFAULT_OUT = Path("bench/results/kv.json")
 # Defaults picked from the `--grid` run on this host (see the report).
 DEFAULT_CHUNK_MB = 1.0
 DEFAULT_STREAMS = 1
-DEFAULT_SHM_CHUNK_MB = 8.0
+DEFAULT_SHM_CHUNK_MB = 4.0
 
 
 def register(bench_subparsers) -> None:
@@ -61,7 +61,7 @@ def register(bench_subparsers) -> None:
         "--grid",
         action="store_true",
         help="also time gRPC at chunk sizes {1,2,4,8} MiB x streams {1,2,4} and the same-node path at "
-        "{2,4,16} MiB chunks (interleaved in the rounds)",
+        "{2,8,16} MiB chunks (interleaved in the rounds)",
     )
     p.add_argument("--prefill-tokens", type=int, default=2048, help="prompt length of the prefill timing")
     p.add_argument(
@@ -356,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
         ]
         paths += [
             TransportPath(f"shm-{c}MiB", "shm", cache, alloc, endpoint, shm_cfg(c << 20))
-            for c in ((2, 4, 16) if args.grid else ())
+            for c in ((2, 8, 16) if args.grid else ())
             if c << 20 != shm_chunk
         ]
         for tokens in sorted(args.tokens):

@@ -20,7 +20,6 @@ request's announcement instead. Ownership of the blocks is the transport's from 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -42,6 +41,7 @@ class LayerStreamer:
         self.transport = transport
         self._started: list[str] = []
         self._errors: dict[str, KVTransferError] = {}
+        self._cancelled: set[str] = set()
         # Layers written by the engine and not yet sent (at most num_layers + the stop marker).
         self._layers: queue.Queue[int | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -101,39 +101,62 @@ class LayerStreamer:
                     self._errors[rid] = KVTransferError(TransferStatus.UNAVAILABLE, repr(e), rid)
                     self.transport.abort(rid, "sender error")
 
-    def finish(self) -> dict[str, TransferMetrics | KVTransferError]:
-        """Wait for the queued layers, send whatever was not sent (every layer when the engine ran
-        without the hook), then wait for each acknowledgement. Never raises for one request."""
+    def _stop_thread(self) -> None:
+        # Called once the forward pass is over (every hook has run): send what is queued, then stop.
         self._finished = True
         with self._lock:
-            thread = self._thread
+            thread, self._thread = self._thread, None
         if thread is not None:
             self._layers.put(None)
             thread.join()
-        results: dict[str, TransferMetrics | KVTransferError] = dict(self._errors)
-        for rid in self._started:
-            try:
-                # Also for a request that failed while streaming: finish() ends its bookkeeping.
-                metrics = self.transport.finish(rid)
-            except KVTransferError as e:
-                results.setdefault(rid, e)
+
+    def finish(
+        self, request_ids: Sequence[str] | None = None
+    ) -> dict[str, TransferMetrics | KVTransferError]:
+        """Wait for the queued layers, send whatever was not sent (every layer when the engine ran
+        without the hook), then wait for the acknowledgement of ``request_ids`` (default: every
+        request not yet finished or cancelled). Never raises for one request; a request the peer
+        refused at :meth:`begin` is reported with its error."""
+        self._stop_thread()
+        wanted = list(self._started) + list(self._errors) if request_ids is None else list(request_ids)
+        results: dict[str, TransferMetrics | KVTransferError] = {}
+        for rid in dict.fromkeys(wanted):
+            if rid in self._started:
+                self._started.remove(rid)
+                try:
+                    # Also for a request that failed while streaming: this ends its bookkeeping.
+                    metrics = self.transport.finish(rid)
+                except KVTransferError as e:
+                    results[rid] = self._errors.pop(rid, e)
+                else:
+                    results[rid] = self._errors.pop(rid, metrics)
+            elif rid in self._errors:
+                results[rid] = self._errors.pop(rid)
             else:
-                results.setdefault(rid, metrics)
+                results[rid] = KVTransferError(TransferStatus.UNKNOWN, "not streamed", rid)
         return results
 
-    def abort(self, reason: str = "aborted") -> None:
-        """Cancel every transfer of the batch (e.g. the prefill failed): frees blocks on both sides."""
-        self._finished = True
-        for rid in self._started:
+    def owns(self, request_id: str) -> bool:
+        """True while the transport holds this request's blocks for a streamed send."""
+        return request_id in self._started and request_id not in self._cancelled
+
+    def cancel(self, request_id: str, reason: str = "aborted") -> bool:
+        """Abort one streamed send (the decode side refused it, the client left): frees its blocks
+        on both sides. False when this streamer does not hold it (the caller still owns its blocks)."""
+        if not self.owns(request_id):
+            return False
+        self._cancelled.add(request_id)
+        self._errors.setdefault(request_id, KVTransferError(TransferStatus.ABORTED, reason, request_id))
+        self.transport.abort(request_id, reason)
+        if self._finished:
+            self.finish([request_id])
+        return True
+
+    def abort(self, reason: str = "aborted") -> dict[str, TransferMetrics | KVTransferError]:
+        """Cancel every transfer of the batch (e.g. the prefill failed): frees blocks on both sides;
+        returns what :meth:`finish` would."""
+        for rid in list(self._started):
             if rid not in self._errors:
-                self.transport.abort(rid, reason)
                 self._errors[rid] = KVTransferError(TransferStatus.ABORTED, reason, rid)
-        with self._lock:
-            thread = self._thread
-        if thread is not None:
-            self._layers.put(None)
-            thread.join()
-        for rid in self._started:
-            with contextlib.suppress(KVTransferError):  # ends the transport's bookkeeping of the send
-                self.transport.finish(rid)
-        self._started = []
+                self.transport.abort(rid, reason)
+        return self.finish()

@@ -112,8 +112,8 @@ def test_abort_while_streaming_frees_both_sides(engine, endpoint, sender) -> Non
     streamer.begin(endpoint.address, req.request_id, req.block_ids, 60)
     streamer.on_layer_written(0)
     streamer.on_layer_written(1)
-    streamer.abort("prefill failed")
-    results = streamer.finish()
+    results = streamer.abort("prefill failed")
+    assert streamer.finish() == {}
     assert isinstance(results["abort"], KVTransferError)
     assert results["abort"].status is TransferStatus.ABORTED
     assert endpoint.receive(0.5) is None
@@ -131,3 +131,28 @@ def test_a_full_receiver_is_reported_without_leaks(engine, endpoint, sender) -> 
     assert isinstance(err, KVTransferError) and err.receiver_full
     req.block_ids = []  # freed by the transport on refusal
     _assert_no_leaks(engine, endpoint, sender)
+
+
+def test_finish_and_cancel_one_request_at_a_time(engine, endpoint, sender) -> None:
+    # A prefill worker acknowledges its batch request by request: one is refused by its decode
+    # worker after the prefill (cancelled), the other is handed over.
+    a, b = _request(engine, "keep", 20, seed=5), _request(engine, "drop", 24, seed=6)
+    streamer = LayerStreamer(sender)
+    for r in (a, b):
+        streamer.begin(endpoint.address, r.request_id, r.block_ids, r.num_tokens)
+    engine.prefill_only([a, b], on_layer_written=streamer.on_layer_written)
+    want = gather_tokens(engine.kv_cache, a.block_ids, 20).clone()
+    for r in (a, b):
+        engine.detach(r.request_id)
+    assert streamer.owns("drop") and not streamer.owns("elsewhere")
+    assert streamer.cancel("drop", "decode worker full")
+    assert not streamer.cancel("drop")
+    assert streamer.finish(["keep"])["keep"].status == "ok"
+    got = endpoint.receive(10)
+    assert got["request_id"] == "keep" and torch.equal(got["data"], want)
+    # "drop" may have arrived whole before the cancel: the abort frees it there too.
+    _assert_no_leaks(engine, endpoint, sender)
+    # The batch's last finish() reports the cancelled one and ends its bookkeeping.
+    rest = streamer.finish()
+    assert list(rest) == ["drop"] and rest["drop"].status is TransferStatus.ABORTED
+    assert sender.stats()["sending"] == 0 and streamer.finish() == {}

@@ -11,11 +11,12 @@ _KINDS = {
     "serve": "bench.serve",
     "sweep": "bench.sweep",
     "monitor": "bench.monitor_overhead",
+    "latency": "bench.latency",
 }
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: offline, kv, serve, sweep")
+    p = sub.add_parser("bench", help="benchmarks: offline, kv, serve, sweep, monitor, latency")
     kinds = p.add_subparsers(dest="bench_kind", metavar="KIND")
     for module in _KINDS.values():
         try:

@@ -182,9 +182,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    ensure_ray(config)
-    logger.info("loading %s and warming up %d worker(s)...", config.engine.model, len(config.worker_ids()))
-    handles = launch_cluster(config)
+    # Ctrl-C during start-up (minutes of warm-up) interrupts it, also when the shell started this process with
+    # SIGINT ignored (a background job), which would otherwise make it deaf to SIGINT until it serves.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        ensure_ray(config)
+        logger.info(
+            "loading %s and warming up %d worker(s)...", config.engine.model, len(config.worker_ids())
+        )
+        handles = launch_cluster(config)
+    except KeyboardInterrupt:
+        print("interrupted during start-up", file=sys.stderr, flush=True)
+        ray.shutdown()
+        return 130
     import gateway.app
 
     stop = threading.Event()

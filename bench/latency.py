@@ -1,0 +1,163 @@
+"""``bucketserve bench latency``: start ``bucketserve serve`` as a child process, time it to a healthy ``/health``,
+then measure TTFT and TPOT of one request at a time and of a burst of concurrent requests; SIGINT it at the end.
+
+Each mode (disaggregated, colocated) gets its own fresh server, so start-up includes Ray, model load and warm-up
+exactly as a user sees them. Prompts are token ids (fixed length) with ``ignore_eos``, so every request makes
+exactly ``--output-len`` tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+
+
+def register(sub) -> None:
+    p = sub.add_parser("latency", help="time to healthy, TTFT/TPOT single and concurrent, per serving mode")
+    p.add_argument("--modes", default="disaggregated,colocated", help="comma-separated serving modes")
+    p.add_argument("--model", default="default")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens per request")
+    p.add_argument("--single-runs", type=int, default=5, help="sequential single requests (median reported)")
+    p.add_argument("--concurrency", type=int, default=32, help="requests sent at once in the burst")
+    p.add_argument("--port", type=int, default=0, help="0: a free port")
+    p.add_argument("--startup-timeout-s", type=float, default=900.0)
+    p.add_argument("--serve-args", default="", help="extra flags for bucketserve serve, e.g. '--skip-warmup'")
+    p.add_argument("--json", action="store_true", help="print only the final JSON")
+    p.set_defaults(func=run)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _one(c: httpx.AsyncClient, prompt: list[int], n: int) -> dict[str, float]:
+    body = {"prompt": prompt, "max_tokens": n, "ignore_eos": True, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    times: list[float] = []
+    async with c.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                times.append(time.perf_counter())
+    if not times:
+        raise RuntimeError("no token came back")
+    # Text chunks, not tokens: TPOT spreads the time after the first chunk over the remaining tokens.
+    return {"ttft_ms": (times[0] - t0) * 1e3, "tpot_ms": (times[-1] - times[0]) * 1e3 / max(1, n - 1)}
+
+
+def _summary(rows: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key in ("ttft_ms", "tpot_ms"):
+        vals = sorted(r[key] for r in rows)
+        out[f"{key}_median"] = round(statistics.median(vals), 1)
+        out[f"{key}_p90"] = round(vals[min(len(vals) - 1, int(0.9 * len(vals)))], 1)
+    return out
+
+
+async def _measure(base: str, args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(0)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(10, 1000) for _ in range(args.prompt_len)]
+
+    limits = httpx.Limits(max_connections=args.concurrency + 4)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as c:
+        single = [await _one(c, prompt(), args.output_len) for _ in range(args.single_runs)]
+        t0 = time.perf_counter()
+        burst = await asyncio.gather(*(_one(c, prompt(), args.output_len) for _ in range(args.concurrency)))
+        wall = time.perf_counter() - t0
+    return {
+        "single": _summary(single),
+        f"concurrent_{args.concurrency}": {
+            **_summary(burst),
+            "output_tok_s": round(args.concurrency * args.output_len / wall, 1),
+        },
+    }
+
+
+def _run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    port = args.port or _free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--mode",
+        mode,
+        "--model",
+        args.model,
+        "--port",
+        str(port),
+    ]
+    cmd += args.serve_args.split()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    try:
+        healthy_s = None
+        with httpx.Client(timeout=5) as c:
+            while time.perf_counter() - t0 < args.startup_timeout_s:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"bucketserve serve exited with {proc.returncode} before /health was 200"
+                    )
+                try:
+                    if c.get(f"{base}/health").status_code == 200:
+                        healthy_s = time.perf_counter() - t0
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+        if healthy_s is None:
+            raise RuntimeError(f"/health not 200 within {args.startup_timeout_s}s")
+        result = {"mode": mode, "time_to_healthy_s": round(healthy_s, 1), **asyncio.run(_measure(base, args))}
+    finally:
+        t1 = time.perf_counter()
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C does
+        try:
+            rc = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+    result["sigint_exit_code"] = rc
+    result["shutdown_s"] = round(time.perf_counter() - t1, 1)
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    results = []
+    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+        res = _run_mode(mode, args)
+        results.append(res)
+        if not args.json:
+            print(json.dumps(res), flush=True)
+    report = {
+        "model": args.model,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "cpus": os.cpu_count(),
+        "results": results,
+    }
+    print(json.dumps(report))
+    return 0

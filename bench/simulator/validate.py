@@ -58,6 +58,9 @@ def start_cluster(
         str(prefill),
         "--decode-workers",
         str(decode),
+        # The name the benchmark client sends (the server would otherwise name an alias by what it stands for).
+        "--served-model-name",
+        model,
     )
     if not warmup:
         # On CPU, warm-up only runs each shape once (no graphs without --compile); the calibration ran without
@@ -129,11 +132,15 @@ def bench_point(
         "--no-progress",
         "--json",
     )
+    load_before = os.getloadavg()[0]
     done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"bench serve failed ({done.returncode}): {done.stderr[-2000:]}")
-    return json.loads(lines[-1])
+    point = json.loads(lines[-1])
+    # The machine's 1-minute load around the point: on a shared machine it explains much of the measurement.
+    point["load_1min"] = [round(load_before, 1), round(os.getloadavg()[0], 1)]
+    return point
 
 
 def _point_name(rate: float) -> str:
@@ -157,6 +164,8 @@ def _measure(
     try:
         # Idle probe: requests far apart, so each meets an empty cluster.
         probe = bench_point(args, PROBE_RATE, PROBE_PROMPTS, work / "probe", max_model_len)
+        if probe["failed"]:
+            raise RuntimeError(f"the idle probe failed on the cluster: {probe['errors']}; see {work}")
         for rate in args.rates:
             measured[rate] = bench_point(
                 args, rate, args.num_prompts, work / _point_name(rate), max_model_len
@@ -222,6 +231,7 @@ def run_validation(args: argparse.Namespace) -> int:
                 "measured_tpot_p50_ms": m["tpot_p50_ms"],
                 "simulated_tpot_p50_ms": adj["tpot_p50_ms"],
                 "measured_failed": m["failed"],
+                "load_1min": m.get("load_1min"),
             }
         )
     result = {

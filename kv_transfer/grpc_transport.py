@@ -169,7 +169,8 @@ class _KVService:
                 if header.request_id != rid or len(payload) != header.nbytes:
                     raise KVTransferError(TransferStatus.INVALID, "bad shared-memory chunk header", rid)
                 self.rx.write(info_from_pb(header), payload)
-                yield pb.SlotRelease(shm_offset=header.shm_offset, shm_name=header.shm_name)
+                if header.release_slot:  # an in-place read needs no answer: one message less per chunk
+                    yield pb.SlotRelease(shm_offset=header.shm_offset, shm_name=header.shm_name)
             status, final, detail = self.rx.end_stream(rid)
             yield pb.SlotRelease(ack=_ack(status, rid, detail, final))
         except KVTransferError as e:
@@ -395,7 +396,7 @@ class _ShmSession(SenderSession):
             with self.lock:
                 self.outstanding.add(off)
             self.ring.write(off, views)
-            header = header_pb(info, shm_name=self.ring.name, shm_offset=off)
+            header = header_pb(info, shm_name=self.ring.name, shm_offset=off, release_slot=True)
         if not self.stream.put(encode_chunk(header), self.done.is_set):
             self._raise_ended()
 

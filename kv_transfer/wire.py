@@ -135,7 +135,9 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def header_pb(info: ChunkInfo, shm_name: str = "", shm_offset: int = 0) -> pb.ChunkHeader:
+def header_pb(
+    info: ChunkInfo, shm_name: str = "", shm_offset: int = 0, release_slot: bool = False
+) -> pb.ChunkHeader:
     return pb.ChunkHeader(
         request_id=info.request_id,
         seq=info.seq,
@@ -147,6 +149,7 @@ def header_pb(info: ChunkInfo, shm_name: str = "", shm_offset: int = 0) -> pb.Ch
         nbytes=info.nbytes,
         shm_name=shm_name,
         shm_offset=shm_offset,
+        release_slot=release_slot,
     )
 
 

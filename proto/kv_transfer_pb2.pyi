@@ -67,7 +67,7 @@ class HandshakeReply(_message.Message):
     def __init__(self, status: _Optional[_Union[HandshakeReply.Status, str]] = ..., receiver_block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., detail: _Optional[str] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("request_id", "seq", "layer", "kv", "first_block", "num_blocks", "crc32", "nbytes", "shm_offset", "shm_name")
+    __slots__ = ("request_id", "seq", "layer", "kv", "first_block", "num_blocks", "crc32", "nbytes", "shm_offset", "shm_name", "release_slot")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class ChunkHeader(_message.Message):
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_SLOT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq: int
     layer: int
@@ -88,7 +89,8 @@ class ChunkHeader(_message.Message):
     nbytes: int
     shm_offset: int
     shm_name: str
-    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., layer: _Optional[int] = ..., kv: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., crc32: _Optional[int] = ..., nbytes: _Optional[int] = ..., shm_offset: _Optional[int] = ..., shm_name: _Optional[str] = ...) -> None: ...
+    release_slot: bool
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., layer: _Optional[int] = ..., kv: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., crc32: _Optional[int] = ..., nbytes: _Optional[int] = ..., shm_offset: _Optional[int] = ..., shm_name: _Optional[str] = ..., release_slot: _Optional[bool] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "payload")

@@ -326,8 +326,10 @@ class Simulator:
             r.first_token = first
             r.generated = 1
             if r.output_len <= 1:
+                # Done at its first token: nothing to send, so it does not hold the batch back.
                 r.finish = first
                 self._release(r, did)
+                p.unsent[batch_id].discard(rid)
             else:
                 sends.append(r)
         # The senders move each request's KV one after the other over the worker's link, overlapping the next

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import random
 import signal
@@ -146,6 +147,7 @@ def _run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the figures
     results = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         res = _run_mode(mode, args)

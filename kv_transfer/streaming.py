@@ -75,7 +75,7 @@ class LayerStreamer:
 
     def on_layer_written(self, layer: int) -> None:
         """The engine's per-layer hook: queue the layer for the sender thread, never block."""
-        if not self._started:
+        if not self._started or self._finished:  # after finish() the rest goes with finish itself
             return
         with self._lock:
             if self._thread is None:

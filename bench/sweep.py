@@ -632,9 +632,21 @@ def register(sub) -> None:
         default=0.05,
         help="skip a system's higher rates once attainment is below this",
     )
+    p.add_argument(
+        "--keep-from",
+        default=None,
+        help="report.json of an earlier sweep: its SLOs (unless given) and the systems not run now are kept",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", default="bench/results/sweep", help="folder of the report")
     p.set_defaults(func=run)
+
+
+def load_kept(path: str | Path, rerun: Sequence[str]) -> tuple[dict[str, Any], list[SystemRun]]:
+    """The SLOs and the runs of the systems not in ``rerun`` from an earlier sweep's report.json."""
+    doc = json.loads(Path(path).read_text())
+    keep = [SystemRun(**s) for s in doc.get("systems", []) if s["name"] not in rerun]
+    return doc.get("slo") or {}, keep
 
 
 def run(args: argparse.Namespace) -> int:
@@ -672,6 +684,18 @@ def run(args: argparse.Namespace) -> int:
 
     unloaded: dict[str, dict[str, float | None]] = {}
     slo: dict[str, Any] = {}
+    runs: list[SystemRun] = []
+    if args.keep_from:
+        try:
+            kept_slo, runs = load_kept(args.keep_from, args.systems)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"error: --keep-from {args.keep_from}: {e}", file=sys.stderr)
+            return 2
+        # The kept systems were measured against these SLOs: the new ones must be too, unless told otherwise.
+        if args.slo_ttft_ms is None and args.slo_tpot_ms is None and kept_slo.get("ttft_ms"):
+            slo.update(kept_slo)
+        for r in runs:
+            unloaded[r.name] = r.unloaded
 
     def slo_for(run_: SystemRun) -> tuple[float, float]:
         unloaded[run_.name] = run_.unloaded
@@ -681,7 +705,6 @@ def run(args: argparse.Namespace) -> int:
             raise RuntimeError("no SLO: give --slo-ttft-ms/--slo-tpot-ms or a system with unloaded figures")
         return slo["ttft_ms"], slo["tpot_ms"]
 
-    runs: list[SystemRun] = []
     notes = [
         f"Run on {os.cpu_count()} CPU cores shared with other work on the machine; figures move with its load.",
         "Static batching returns each request's tokens at once when its batch ends: its TTFT is the whole "
@@ -700,7 +723,12 @@ def run(args: argparse.Namespace) -> int:
         "max_model_len": args.max_model_len,
         "max_output_len": args.max_output_len,
         "stop_below": args.stop_below,
+        "kept_from": args.keep_from,
     }
+    if runs:
+        config["systems"] = [r.name for r in runs] + list(args.systems)
+        config["rates"] = sorted({*args.rates, *(float(p["request_rate"]) for r in runs for p in r.points)})
+        notes.append(f"Systems {', '.join(r.name for r in runs)} were measured earlier ({args.keep_from}).")
     for system in args.systems:
         if system == "vllm" and not Path(args.vllm_python).exists():
             runs.append(SystemRun(system, error=f"no vLLM environment at {args.vllm_python}"))

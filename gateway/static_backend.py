@@ -294,11 +294,14 @@ def _settle(p: _Pending, result: Any) -> None:
 
 def serve_static(args: Any) -> int:
     """``bucketserve serve --mode static``: this backend behind the gateway on uvicorn, until Ctrl-C."""
+    import torch
     import uvicorn
 
     from gateway.app import create_app
     from gateway.backend import GatewaySettings
 
+    # As many threads as each of our workers gets: more threads than free cores slows generate several-fold.
+    torch.set_num_threads(args.num_threads)
     t0 = time.perf_counter()
     backend = StaticBatchBackend(
         args.model,
@@ -312,7 +315,8 @@ def serve_static(args: Any) -> int:
     app = create_app(backend, GatewaySettings(api_key=args.api_key))
     base = f"http://{args.host}:{args.port}"
     print(
-        f"BucketServe (static batching, batch {args.static_batch_size}, wait {args.static_max_wait_ms} ms) "
+        f"BucketServe (static batching, batch {args.static_batch_size}, wait {args.static_max_wait_ms} ms, "
+        f"{args.num_threads} thread(s)) "
         f"ready in {time.perf_counter() - t0:.1f}s, model {backend.model_info().name!r}",
         flush=True,
     )

@@ -217,13 +217,29 @@ class Controller:
     async def worker_down(self, worker_id: str) -> list[str]:
         """A worker died: mark it down and give up the requests that can no longer finish; returns their ids.
 
-        Those are the requests placed on a dead decode worker (their KV died with it), and, once no decode or
+        Those are the requests placed on a dead decode worker (their KV died with it), those in the batches of a
+        dead prefill worker (aborted on their decode worker in case their KV got there), and, once no decode or
         no prefill worker is left alive, every request still in the cluster, which would otherwise wait for
         ever. The caller (a gateway) ends their streams with an error; the ids are forgotten here, so a
         prefill worker that later gives one of them back is told not to retry.
         """
         self._mark_down(worker_id)
         lost = [rid for rid, (_, did) in self.placement.items() if did == worker_id]
+        dead_prefill = self.prefill.get(worker_id)
+        if dead_prefill is not None:
+            # Its batches in flight may or may not have reached their decode worker: end them, and abort them
+            # there too, so no decode worker keeps running (and holding blocks for) a request nobody awaits.
+            stranded = [
+                rid for rids in dead_prefill.outstanding.values() for rid in rids if rid in self.summaries
+            ]
+            dead_prefill.outstanding.clear()
+            dead_prefill.reserved.clear()
+            for rid in stranded:
+                placed = self.placement.get(rid)
+                if placed is not None and placed[1] in self.decode and self.decode[placed[1]].alive:
+                    with contextlib.suppress(Exception):
+                        await self.decode[placed[1]].handle.abort.remote(rid)
+            lost += [rid for rid in stranded if rid not in lost]
         pools = (self.prefill, self.decode)
         if any(pool and not any(w.alive for w in pool.values()) for pool in pools):
             lost = list(self.summaries)

@@ -92,3 +92,43 @@ async def _survivor_stats(backend: RayClusterBackend, victim: str) -> dict[str, 
         if all(s["kv_blocks_used"] == 0 for s in stats.values()):
             return stats
         await asyncio.sleep(0.1)
+
+
+def test_prefill_worker_killed_with_batches_in_flight_ends_them_and_leaks_nothing(ray_session):
+    backend = RayClusterBackend(cluster_config("disaggregated", "die-prefill", prefill_workers=2))
+    victim = backend.config.actor_name("prefill", 0)
+    try:
+        # Long prompts keep batches on the prefill workers long enough to be caught in flight.
+        reqs = [make_request(f"pdie{i}", 400, 20, seed=7 + i) for i in range(8)]
+
+        async def run():
+            tasks = [asyncio.ensure_future(collect(backend, r)) for r in reqs]
+            deadline = time.monotonic() + 30
+            while True:
+                state = await backend.handles.controller.state.remote()
+                if state["prefill"][victim]["outstanding"] > 0:
+                    break
+                assert time.monotonic() < deadline and not all(t.done() for t in tasks), state
+                await asyncio.sleep(0.005)
+            ray.kill(backend.handles.workers[victim][1])
+            killed_at = time.monotonic()
+            return killed_at, await asyncio.wait_for(asyncio.gather(*tasks), PROMPT_END_S + 30)
+
+        killed_at, results = asyncio.run(run())
+        by_id = {r.request_id: r for r in reqs}
+        for g in results:
+            # Every request ends: a complete, exact answer, or a prompt error naming the dead worker.
+            if g.error is None:
+                assert g.tokens == reference_tokens(by_id[g.request_id].prompt_token_ids, 20), g.request_id
+            else:
+                assert g.finish_reason == "error" and victim in g.error, g.error
+                assert g.finished_at - killed_at < PROMPT_END_S, f"{g.request_id} ended late"
+        assert any(g.error is not None for g in results), "no request was in flight on the killed worker"
+        stats = asyncio.run(asyncio.wait_for(_survivor_stats(backend, victim), 30))
+        for name, s in stats.items():
+            assert s["kv_blocks_used"] == 0 and s["integrity_error"] is None, (name, s)
+        state = ray.get(backend.handles.controller.state.remote())
+        assert state["in_cluster"] == 0 and state["queued"] == 0, state
+        assert all(d["reserved"] == 0 for d in state["decode"].values()), state
+    finally:
+        asyncio.run(backend.shutdown())

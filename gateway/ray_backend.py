@@ -139,6 +139,9 @@ class RayClusterBackend(ServingBackend):
         finished = False
         try:
             msg = RequestMessage.from_request(req, self.consumer_id)
+            # Arrivals feed the monitor's arrival rate and mean prompt length (the controller's N_max figures);
+            # fire-and-forget: the monitor is for operators and planning, serving does not wait on it.
+            self.handles.monitor.record_arrival.remote(req.priority_class.value, req.num_prompt_tokens)
             try:
                 await self._submit(msg, stream)
             except Exception as e:

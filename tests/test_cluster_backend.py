@@ -7,6 +7,7 @@ import random
 import time
 
 import pytest
+import ray
 from cluster_helpers import (
     NUM_BLOCKS,
     cluster_config,
@@ -56,6 +57,9 @@ def test_greedy_matches_hf_for_16_concurrent_mixed_requests(backends, mode):
         assert got.finish_reason == "length"
         assert got.tokens == reference_tokens(req.prompt_token_ids, req.sampling.max_tokens), req.request_id
     assert_no_leaks(asyncio.run(wait_idle(backend)))
+    # Every accepted request reached the monitor as an arrival (the controller sizes batches from these).
+    summary = ray.get(backend.handles.monitor.summary.remote())
+    assert summary["arrival_rate_rps"] > 0 and summary["mean_prompt_tokens"] is not None
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -237,3 +237,24 @@ def test_health_and_models_through_the_gateway(served: Served) -> None:
         assert health.status_code == 200, health.text
         assert health.json()["mode"] == served.mode
         assert c.get("/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+def test_metrics_through_the_gateway_carry_the_cluster_families(served: Served) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with httpx.Client(base_url=served.url, timeout=30) as c:
+        # Traffic of its own, so the test does not depend on the order tests run in.
+        body = {"prompt": [5, 6, 7, 8, 9] * 8, "max_tokens": 4}
+        assert all(c.post("/v1/completions", json=body).status_code == 200 for _ in range(3))
+        text = c.get("/metrics").text
+    samples = {
+        s.name: s for family in text_string_to_metric_families(text) for s in family.samples if s.value > 0
+    }
+    assert all('model_name="tiny"' in line for line in text.splitlines() if line.startswith("bucketserve:"))
+    assert "bucketserve:request_success_total" in samples
+    assert "bucketserve:time_to_first_token_seconds_count" in samples
+    assert "bucketserve:generation_tokens_total" in samples
+    if served.mode == "disaggregated":
+        # Filled by the cluster itself: prefill batches (size, padding) and the controller's request buckets.
+        assert "bucketserve:batch_size_count" in samples
+        assert "bucketserve:bucket_count" in samples

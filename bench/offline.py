@@ -96,15 +96,19 @@ def run_vllm(python: str, path, prompts: list[list[int]], output_len: int, max_m
         )
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     runner = Path(__file__).with_name("vllm_offline_runner.py")
+    out_path = f.name + ".out"
     try:
         proc = subprocess.run(
-            [python, str(runner), f.name], capture_output=True, text=True, env=env, timeout=1800
+            [python, str(runner), f.name, out_path], capture_output=True, text=True, env=env, timeout=1800
         )
+        if proc.returncode != 0:
+            raise RuntimeError(f"vLLM run failed: {proc.stderr.strip().splitlines()[-5:]}")
+        with open(out_path) as res:
+            out = json.load(res)
     finally:
         os.unlink(f.name)
-    if proc.returncode != 0:
-        raise RuntimeError(f"vLLM run failed: {proc.stderr.strip().splitlines()[-5:]}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+        if os.path.exists(out_path):
+            os.unlink(out_path)
     return out["seconds"], out["outputs"]
 
 

@@ -2,9 +2,9 @@
 
 Executed by the Python of a separate virtual environment that has vLLM (its pins differ from
 ours), so it imports nothing of this project. Input: a JSON file
-``{"model": path, "prompts": [[ids...]], "output_len": n}``; output: the last line of stdout,
-``{"seconds": ..., "outputs": [[ids...]]}`` timed around ``generate`` only (start-up excluded,
-as for the other systems).
+``{"model": path, "prompts": [[ids...]], "output_len": n}``; output: written to the second path
+(vLLM logs to stdout), ``{"seconds": ..., "outputs": [[ids...]]}`` timed around ``generate`` only
+(start-up excluded, as for the other systems).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import time
 
 
-def main(path: str) -> None:
+def main(path: str, out_path: str) -> None:
     with open(path) as f:
         spec = json.load(f)
     from vllm import LLM, SamplingParams
@@ -27,8 +27,9 @@ def main(path: str) -> None:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     took = time.perf_counter() - t0
-    print(json.dumps({"seconds": took, "outputs": [list(o.outputs[0].token_ids) for o in outs]}))
+    with open(out_path, "w") as f:
+        json.dump({"seconds": took, "outputs": [list(o.outputs[0].token_ids) for o in outs]}, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import ray
 
 
 @pytest.fixture(scope="session")
 def ray_session():
-    ray = pytest.importorskip("ray")
     # Small on purpose: the box is shared; workers take fractional CPUs.
     ray.init(num_cpus=4, include_dashboard=False, namespace="bucketserve-tests", log_to_driver=False)
     yield ray

@@ -3,6 +3,7 @@ SSE parsing and the Hugging Face greedy reference."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import httpx
 import uvicorn
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -83,3 +85,28 @@ class HFReference:
                 pad_token_id=self.tokenizer.eos_token_id,
             )
         return out[0, len(prompt_ids) :].tolist()
+
+
+def greedy_completions(
+    url: str, prompts: list[str], max_tokens: list[int], timeout: float = 60
+) -> list[dict]:
+    """Send greedy completions concurrently, asking for chosen-token ids through logprobs; the JSON bodies."""
+
+    async def one(c: httpx.AsyncClient, prompt: str, n: int) -> dict:
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": n,
+            "temperature": 0,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
+        r = await c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    async def run_all() -> list[dict]:
+        async with httpx.AsyncClient(base_url=url, timeout=timeout) as c:
+            return await asyncio.gather(*(one(c, p, n) for p, n in zip(prompts, max_tokens, strict=True)))
+
+    return asyncio.run(run_all())

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
+import gateway_helpers as helpers
 
-gateway_app = pytest.importorskip("gateway.app")
-local_backend = pytest.importorskip("gateway.local_backend")
-helpers = pytest.importorskip("gateway_helpers")
+import gateway.app as gateway_app
+import gateway.local_backend as local_backend
 
 
 def test_bench_serve_against_the_gateway(tmp_path, capsys):

@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
-from gateway_helpers import MAX_MODEL_LEN, HFReference, serve_app, sse_events, tiny_config
+from gateway_helpers import MAX_MODEL_LEN, HFReference, greedy_completions, serve_app, sse_events, tiny_config
 
 from gateway.app import create_app
 from gateway.backend import GatewaySettings
@@ -74,24 +74,7 @@ def test_greedy_completions_equal_hf_generate(url: str, hf: HFReference) -> None
     """Concurrent greedy requests of mixed lengths give HF generate's tokens and text."""
     max_tokens = [12, 5, 20, 9]
 
-    async def one(c: httpx.AsyncClient, prompt: str, n: int) -> dict:
-        body = {
-            "model": "tiny",
-            "prompt": prompt,
-            "max_tokens": n,
-            "temperature": 0,
-            "logprobs": 0,
-            "return_tokens_as_token_ids": True,
-        }
-        r = await c.post("/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    async def run_all() -> list[dict]:
-        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-            return await asyncio.gather(*(one(c, p, n) for p, n in zip(PROMPTS, max_tokens, strict=True)))
-
-    results = asyncio.run(run_all())
+    results = greedy_completions(url, PROMPTS, max_tokens, timeout=60)
     for prompt, n, res in zip(PROMPTS, max_tokens, results, strict=True):
         prompt_ids = hf.tokenizer(prompt).input_ids
         expected = hf.greedy(prompt_ids, n)

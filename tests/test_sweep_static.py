@@ -3,12 +3,11 @@ per request, the greedy tokens of a batched, left-padded ``generate`` are Huggin
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from gateway_helpers import HFReference, serve_app, sse_events
+from gateway_helpers import HFReference, greedy_completions, serve_app, sse_events
 
 from gateway.app import create_app
 from gateway.backend import GatewaySettings
@@ -51,24 +50,7 @@ def test_batched_greedy_equals_hf_generate_per_request(
     max_tokens = [12, 5, 20, 9]
     batches_before = len(backend.batch_sizes)
 
-    async def one(c: httpx.AsyncClient, prompt: str, n: int) -> dict:
-        body = {
-            "model": "tiny",
-            "prompt": prompt,
-            "max_tokens": n,
-            "temperature": 0,
-            "logprobs": 0,
-            "return_tokens_as_token_ids": True,
-        }
-        r = await c.post("/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    async def run_all() -> list[dict]:
-        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-            return await asyncio.gather(*(one(c, p, n) for p, n in zip(PROMPTS, max_tokens, strict=True)))
-
-    results = asyncio.run(run_all())
+    results = greedy_completions(url, PROMPTS, max_tokens, timeout=120)
     # The four requests ran as one padded batch of mixed lengths, not one by one.
     assert backend.batch_sizes[batches_before:] == [4]
     for prompt, n, res in zip(PROMPTS, max_tokens, results, strict=True):

@@ -54,7 +54,10 @@ class BlockAllocator:
             bad = [b for b in block_ids if b not in self._used]
             if bad or len(set(block_ids)) != len(block_ids):
                 raise ValueError(f"freeing blocks that are not in use (or twice): {bad or block_ids}")
-            for b in block_ids:
+            # Pushed in reverse, so a request's blocks come back out of the stack in the order it held
+            # them: ascending runs stay ascending, and KV transfer moves a run with one copy instead of
+            # one per block (a descending run is a run of single blocks to it).
+            for b in reversed(block_ids):
                 self._used.remove(b)
                 self._free.append(b)
 

@@ -53,3 +53,15 @@ def test_integrity_check_catches_corruption() -> None:
     alloc._free.append(alloc._free[0])  # simulate a bug: one id twice in the free list
     with pytest.raises(AssertionError):
         alloc.check_integrity()
+
+
+def test_freed_run_comes_back_ascending() -> None:
+    # KV transfer copies each run of consecutive ids at once: a request's blocks must not come back reversed.
+    a = BlockAllocator(64)
+    first = a.allocate(40)
+    assert first == list(range(40))
+    a.free(first)
+    again = a.allocate(40)
+    assert again == list(range(40))
+    a.free(again[:10])
+    assert a.allocate(10) == list(range(10))

@@ -82,6 +82,12 @@ class LLMEngine:
             self.warmup_report = self.runner.warmup(graph_memory_budget=plan.graph_reserve_bytes or None)
 
     # ------------------------------------------------------------------ set-up
+    def _max_decode_blocks(self, num_blocks: int) -> int:
+        # No decode batch can reference more blocks than max_num_seqs full-length sequences hold; buckets
+        # above that would only cost warm-up time and graph memory (a 64 GiB cache has ~250k blocks).
+        s = self.config.scheduler
+        return min(num_blocks, s.max_num_seqs * -(-s.max_model_len // self.block_size))
+
     def _make_buckets(self, num_blocks: int) -> ShapeBuckets:
         s = self.config.scheduler
         return ShapeBuckets(
@@ -92,7 +98,7 @@ class LLMEngine:
                 max_num_seqs=s.max_num_seqs,
                 max_num_prefill_seqs=s.max_num_prefill_seqs,
                 max_num_batched_tokens=s.max_num_batched_tokens,
-                num_blocks=num_blocks,
+                num_blocks=self._max_decode_blocks(num_blocks),
                 prefix_caching=self.config.bucketing.prefix_caching,
                 env=os.environ,
             )
@@ -108,6 +114,10 @@ class LLMEngine:
         b = max(1, min(s.max_num_prefill_seqs, s.max_num_batched_tokens // q))
         self.device.reset_peak_memory()
         runner.execute(runner._dummy_prompt((b, q, 0)))
+        # The largest decode batch gathers the K and V blocks of every sequence, per layer: its transient
+        # can exceed the prompt's (every dummy block is the null block, so the scratch cache stays small).
+        largest_decode = max(self._make_buckets(2**62).decode, key=lambda shape: (shape[2], shape[0]))
+        runner.execute(runner._dummy_decode(largest_decode))
         self.device.synchronize()
         peak = self.device.peak_memory()
         del scratch, runner

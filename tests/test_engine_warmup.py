@@ -54,3 +54,17 @@ def test_cpu_compile_path_is_exact() -> None:
     req = Request("compiled", prompt, SamplingParams(max_tokens=4))
     engine.generate([req])
     assert req.output_token_ids == hf_greedy(engine.loaded.path, prompt, 4)
+
+
+def test_decode_buckets_stop_at_what_a_full_batch_can_reference() -> None:
+    # A large cache (an accelerator's tens of GiB) must not make warm-up capture decode shapes that no batch of
+    # max_num_seqs sequences of max_model_len tokens can reach.
+    from engine.config import CacheConfig
+
+    engine = LLMEngine(small_config(cache=CacheConfig(block_size=16, num_blocks=20000)))
+    s = engine.config.scheduler
+    reachable = s.max_num_seqs * -(-s.max_model_len // 16)  # 8 x 32 = 256 blocks
+    largest = max(nb for _, _, nb in engine.buckets.decode)
+    assert reachable <= largest < 2 * reachable
+    assert engine.buckets.find_decode(s.max_num_seqs, reachable) is not None
+    assert engine.allocator.num_blocks == 20000  # the cache itself keeps every block

@@ -43,7 +43,8 @@ class _Core:
             return None
         out: dict[str, Any] = dict(got.__dict__)
         if with_data:
-            out["data"] = gather_tokens(self.t.cache, got.block_ids, got.num_tokens).clone()
+            # On the host, whatever the cache's device: the result crosses a process pipe.
+            out["data"] = gather_tokens(self.t.cache, got.block_ids, got.num_tokens).cpu().clone()
         if not keep:  # the decode worker is done with the request
             with self.t.lock:
                 self.t.allocator.free(got.block_ids)
@@ -63,10 +64,17 @@ class _Core:
 
 
 def _child(
-    conn, backend: str, spec: KVCacheSpec, num_blocks: int, config: TransferConfig, kwargs: dict
+    conn,
+    backend: str,
+    spec: KVCacheSpec,
+    num_blocks: int,
+    config: TransferConfig,
+    kwargs: dict,
+    cache_device: str = "cpu",
 ) -> None:  # pragma: no cover - runs in the child process
     try:
-        t = create_transport(backend, KVCache(spec, num_blocks), BlockAllocator(num_blocks), config, **kwargs)
+        cache = KVCache(spec, num_blocks, device=cache_device)
+        t = create_transport(backend, cache, BlockAllocator(num_blocks), config, **kwargs)
         conn.send(("ok", t.serve()))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -85,7 +93,8 @@ def _child(
 
 
 class EndpointProcess:
-    """Starts ``backend`` receiving in a spawned process; ``address`` is what senders pass as peer."""
+    """Starts ``backend`` receiving in a spawned process; ``address`` is what senders pass as peer.
+    ``cache_device``: where the receiving KV cache lives (a decode worker's accelerator, or the host)."""
 
     def __init__(
         self,
@@ -93,13 +102,22 @@ class EndpointProcess:
         spec: KVCacheSpec,
         num_blocks: int,
         config: TransferConfig | None = None,
+        cache_device: str = "cpu",
         **transport_kwargs: Any,
     ) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self.proc = ctx.Process(
             target=_child,
-            args=(child_conn, backend, spec, num_blocks, config or TransferConfig(), transport_kwargs),
+            args=(
+                child_conn,
+                backend,
+                spec,
+                num_blocks,
+                config or TransferConfig(),
+                transport_kwargs,
+                cache_device,
+            ),
             daemon=True,
         )
         self.proc.start()
@@ -156,11 +174,16 @@ class LocalEndpoint(_Core):
         spec: KVCacheSpec,
         num_blocks: int,
         config: TransferConfig | None = None,
+        cache_device: str = "cpu",
         **transport_kwargs: Any,
     ) -> None:
         super().__init__(
             create_transport(
-                backend, KVCache(spec, num_blocks), BlockAllocator(num_blocks), config, **transport_kwargs
+                backend,
+                KVCache(spec, num_blocks, device=cache_device),
+                BlockAllocator(num_blocks),
+                config,
+                **transport_kwargs,
             )
         )
         self.address = self.t.serve()

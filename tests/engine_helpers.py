@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from engine.config import BucketingConfig, CacheConfig, EngineConfig, SchedulerConfig
+
+# The engine tests run on the CPU; BUCKETSERVE_TEST_DEVICE=cuda runs the same tests on a GPU, with the
+# Hugging Face reference on that GPU too (fp32 on both sides, so greedy outputs stay comparable).
+TEST_DEVICE = os.environ.get("BUCKETSERVE_TEST_DEVICE", "cpu")
 
 
 def small_config(**kw) -> EngineConfig:
     """The tiny model with a small bucket grid: fast warm-up, prompts above 256 tokens exceed it."""
     defaults = dict(
         model="tiny",
-        device="cpu",
+        device=TEST_DEVICE,
         skip_warmup=True,
         cache=CacheConfig(block_size=16, num_blocks=256),
         scheduler=SchedulerConfig(
@@ -29,14 +34,16 @@ def small_config(**kw) -> EngineConfig:
 def hf_model(path: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(TEST_DEVICE).eval()
 
 
 def hf_greedy(path, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Hugging Face generate, greedy, one prompt unbatched: the outside reference."""
     model = hf_model(str(path))
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+        out = model.generate(
+            torch.tensor([prompt], device=TEST_DEVICE), max_new_tokens=max_new_tokens, do_sample=False
+        )
     return out[0, len(prompt) :].tolist()
 
 

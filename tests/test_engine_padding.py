@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from engine_helpers import random_prompts, small_config
+from engine_helpers import TEST_DEVICE, random_prompts, small_config
 
 from engine.block_allocator import BlockAllocator
 from engine.device import get_device
@@ -14,8 +14,8 @@ from engine.request import Request
 
 
 def _runner(engine: LLMEngine, buckets) -> tuple[ModelRunner, BlockAllocator]:
-    kv = KVCache(engine.kv_spec, 128)
-    return ModelRunner(engine.loaded.model, kv, get_device("cpu"), buckets, 512), BlockAllocator(128)
+    kv = KVCache(engine.kv_spec, 128, device=TEST_DEVICE)
+    return ModelRunner(engine.loaded.model, kv, get_device(TEST_DEVICE), buckets, 512), BlockAllocator(128)
 
 
 def _reqs(alloc: BlockAllocator, lengths: list[int]) -> list[Request]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -23,26 +24,40 @@ CFG = TransferConfig(
 )
 # "shm-zero-copy": the shm backend from a KV cache allocated in shared memory (read in place).
 BACKENDS = ["local", "grpc", "shm", "shm-zero-copy", "torch_dist"]
+# Both caches live on the host here; BUCKETSERVE_TEST_DEVICE=cuda puts them on a GPU (as on GPU prefill and
+# decode workers), except the zero-copy one, which is host shared memory by definition.
+DEVICE = os.environ.get("BUCKETSERVE_TEST_DEVICE", "cpu")
 
 
 class Pair:
     def __init__(self, backend: str) -> None:
         self.backend = backend
         self.path = "shm" if backend == "shm-zero-copy" else backend
-        self.cache = KVCache(SPEC, SENDER_BLOCKS, shared_memory=backend == "shm-zero-copy")
+        zero_copy = backend == "shm-zero-copy"
+        self.cache = KVCache(
+            SPEC, SENDER_BLOCKS, device="cpu" if zero_copy else DEVICE, shared_memory=zero_copy
+        )
         self.alloc = BlockAllocator(SENDER_BLOCKS)
         self.dist_init = None
         if backend == "local":
-            self.endpoint = LocalEndpoint("local", SPEC, RECEIVER_BLOCKS, CFG)
+            self.endpoint = LocalEndpoint("local", SPEC, RECEIVER_BLOCKS, CFG, cache_device=DEVICE)
             self.sender = create_transport("local", self.cache, self.alloc, CFG)
         elif backend in ("grpc", "shm", "shm-zero-copy"):
-            self.endpoint = EndpointProcess("grpc", SPEC, RECEIVER_BLOCKS, CFG)
+            self.endpoint = EndpointProcess("grpc", SPEC, RECEIVER_BLOCKS, CFG, cache_device=DEVICE)
             cfg = TransferConfig(**{**CFG.__dict__, "same_node_fast_path": self.path == "shm"})
             self.sender = create_transport(self.path, self.cache, self.alloc, cfg)
         else:
             init = f"tcp://127.0.0.1:{free_port()}"
             self.endpoint = EndpointProcess(
-                "torch_dist", SPEC, RECEIVER_BLOCKS, CFG, rank=1, world_size=2, init_method=init, peers=[0]
+                "torch_dist",
+                SPEC,
+                RECEIVER_BLOCKS,
+                CFG,
+                cache_device=DEVICE,
+                rank=1,
+                world_size=2,
+                init_method=init,
+                peers=[0],
             )
             # Joins the process group with the endpoint (collective: both sides must be up).
             self.sender = create_transport(
@@ -52,7 +67,9 @@ class Pair:
 
     def blocks(self, num_tokens: int) -> list[int]:
         ids = self.alloc.allocate(SPEC.blocks_for_tokens(num_tokens))
-        self.cache.data[:, :, ids] = torch.randn(SPEC.num_layers, 2, len(ids), SPEC.block_size, 2, 8)
+        self.cache.data[:, :, ids] = torch.randn(SPEC.num_layers, 2, len(ids), SPEC.block_size, 2, 8).to(
+            self.cache.device
+        )
         return ids
 
     def assert_no_leaks(self, timeout: float = 5.0) -> None:
@@ -99,7 +116,7 @@ def _reset_faults(request):
 
 
 def _expected(p: Pair, ids: list[int], n: int) -> torch.Tensor:
-    return gather_tokens(p.cache, ids, n).clone()  # [L, 2, n, KVH, D]
+    return gather_tokens(p.cache, ids, n).cpu().clone()  # [L, 2, n, KVH, D]
 
 
 def test_roundtrip_data_handshake_and_metrics(pair: Pair) -> None:

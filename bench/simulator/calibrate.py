@@ -35,12 +35,14 @@ DEFAULT_GRPC_GBPS = 0.7  # bench kv on this machine, 256 MiB (see bench/results/
 DEFAULT_TRANSFER_LATENCY_S = 2e-3
 
 
-def _median_time(fn, repeats: int) -> float:
+def _median_time(fn, repeats: int, sync=lambda: None) -> float:
     fn()  # first call pays one-off allocations
+    sync()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        sync()  # an accelerator runs asynchronously: time to the end of its work
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -61,6 +63,8 @@ def calibrate(
     max_prefill_tokens: int = 2048,
     max_decode_tokens: int = 16384,
     progress: bool = True,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> tuple[CostModel, dict[str, Any]]:
     """Time the engine and fit a cost model; returns it and the raw samples."""
     import torch
@@ -70,7 +74,10 @@ def calibrate(
     from engine.request import Request, SamplingParams
 
     torch.set_num_threads(num_threads)
-    engine = LLMEngine(EngineConfig(model=model, skip_warmup=True, device="cpu"))
+    # Warm-up stays off on the CPU (every shape is timed after one untimed run anyway); on an accelerator
+    # it is on, so decode runs the captured graphs a worker would run.
+    engine = LLMEngine(EngineConfig(model=model, skip_warmup=device == "cpu", device=device, dtype=dtype))
+    sync = engine.runner.device.synchronize
     runner, alloc, buckets = engine.runner, engine.allocator, engine.buckets
     bs = engine.block_size
     sched = engine.config.scheduler
@@ -99,7 +106,7 @@ def calibrate(
     chosen = [s for s in shapes if s[0] == 1 or s[1] in (16, 64, 256) or s[0] * s[1] == max_prefill_tokens]
     for b, q in chosen:
         reqs = make(b, q, "p")
-        t = _median_time(lambda reqs=reqs: runner.prefill(reqs), repeats)
+        t = _median_time(lambda reqs=reqs: runner.prefill(reqs), repeats, sync)
         free(reqs)
         prefill_samples.append((b, q, t))
         if progress:
@@ -115,7 +122,7 @@ def calibrate(
                 r.num_computed_tokens = ctx
                 r.output_token_ids = [5]
             shape = buckets.find_decode(b, sum(-(-r.num_tokens // bs) for r in reqs))
-            t = _median_time(lambda reqs=reqs: runner.decode(reqs), repeats)
+            t = _median_time(lambda reqs=reqs: runner.decode(reqs), repeats, sync)
             free(reqs)
             if shape is None:
                 continue
@@ -124,12 +131,16 @@ def calibrate(
                 logger.info("decode batch %d (pad %s), %d ctx tokens each: %.1f ms", b, shape, ctx, t * 1e3)
 
     gbps, transfer_note = transfer_gbps()
+    where = "this machine's CPU" if device == "cpu" else device
+    if device == "cuda":
+        where = f"cuda ({torch.cuda.get_device_name()})"
     prefill = fit_prefill(prefill_samples)
     decode = fit_decode(decode_samples)
     cost = CostModel(
         name=model,
         source=(
-            f"measured on this machine: {model} model, {num_threads} torch thread(s), fp32, CPU, eager; "
+            f"measured on {where}: {model} model, {num_threads} torch thread(s), "
+            f"{dtype}, {'eager' if device == 'cpu' else 'decode graphs'}; "
             f"{len(prefill_samples)} prefill and {len(decode_samples)} decode shapes, median of {repeats}; "
             f"{transfer_note}; transfer latency {DEFAULT_TRANSFER_LATENCY_S * 1e3:.0f} ms stated"
         ),

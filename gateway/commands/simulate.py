@@ -46,6 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--repeats", type=int, default=3, help="--calibrate: timed runs per shape")
     p.add_argument("--num-threads", type=int, default=1, help="--calibrate: torch threads (a worker's)")
+    p.add_argument("--device", default="cpu", help="--calibrate: the engine's device (cpu, cuda, hpu)")
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="--calibrate: weights"
+    )
     costs = p.add_mutually_exclusive_group()
     costs.add_argument(
         "--calibration", default=None, help="calibration JSON (default: calibration_<model>.json)"
@@ -181,8 +185,15 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     out = Path(args.out) if args.out else SIM_DIR / f"calibration_{args.model}.json"
     try:
-        cost, extra = calibrate(args.model, args.num_threads, args.repeats, progress=not args.json)
-    except ModelNotFoundError as e:
+        cost, extra = calibrate(
+            args.model,
+            args.num_threads,
+            args.repeats,
+            progress=not args.json,
+            device=args.device,
+            dtype=args.dtype,
+        )
+    except (ModelNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cost.save(out, extra)

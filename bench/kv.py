@@ -33,10 +33,10 @@ SMALL_SPEC = KVCacheSpec(
     architecture="LlamaForCausalLM", num_layers=8, num_kv_heads=4, head_dim=64, block_size=16
 )
 DEFAULT_OUT = Path("bench/results/kv.json")
-# Defaults picked from the `--grid` run on this host (see the report).
-DEFAULT_CHUNK_MB = 1.0
-DEFAULT_STREAMS = 1
-DEFAULT_SHM_CHUNK_MB = 4.0
+# The transport's own defaults (TransferConfig), which `--grid` runs picked.
+DEFAULT_CHUNK_MB = TransferConfig.chunk_bytes / (1 << 20)
+DEFAULT_STREAMS = TransferConfig.num_streams
+DEFAULT_SHM_CHUNK_MB = TransferConfig.shm_chunk_bytes / (1 << 20)
 
 
 def register(bench_subparsers) -> None:
@@ -360,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
         ]
         paths += [
             TransportPath(f"shm-{c}MiB", "shm", cache, alloc, endpoint, shm_cfg(c << 20))
-            for c in ((2, 8, 16) if args.grid else ())
+            for c in ((2, 4, 8, 16) if args.grid else ())
             if c << 20 != shm_chunk
         ]
         for tokens in sorted(args.tokens):

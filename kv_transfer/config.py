@@ -19,11 +19,12 @@ class TransferConfig:
 
     # Target payload of one gRPC chunk: big enough to amortise per-message costs, small enough that a
     # 16K-token prompt never becomes one huge message and the receiver can write while bytes arrive.
-    # 1 MiB beat 2, 4 and 8 MiB in interleaved runs of `bench kv --grid` on a 2-core host.
-    chunk_bytes: int = 1 << 20
+    # With 2 streams (below), 4 MiB was within 15% of the best of 1-8 MiB x 1-4 streams in `bench kv --grid`
+    # on both a 2-core and a 16-core host (best on the 16-core one), where no other setting was.
+    chunk_bytes: int = 4 << 20
     # Chunk size of the same-node shared-memory path: only a header crosses gRPC per chunk there,
-    # so bigger chunks mean fewer messages; 4 MiB beat 2, 8 and 16 MiB in `bench kv --grid` runs.
-    shm_chunk_bytes: int = 4 << 20
+    # so bigger chunks mean fewer messages; 8 MiB beat 2, 4 and 16 MiB in `bench kv --grid` runs.
+    shm_chunk_bytes: int = 8 << 20
     # How many times a transfer rejected for a bad checksum or truncation is re-sent before the
     # sender gives up and reports it for recompute.
     max_retries: int = 1
@@ -36,8 +37,9 @@ class TransferConfig:
     receive_timeout_s: float = 60.0
     # How often leases and stale receives are swept.
     reap_interval_s: float = 0.5
-    # Parallel gRPC streams per transfer.
-    num_streams: int = 1
+    # Parallel gRPC streams per transfer: a second stream overlaps one stream's copies with the other's
+    # socket work (see chunk_bytes).
+    num_streams: int = 2
     # Chunks a sender may have queued but not yet handed to the transport (bounded memory).
     max_inflight_chunks: int = 4
     verify_checksums: bool = True

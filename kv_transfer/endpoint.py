@@ -65,7 +65,7 @@ class _Core:
 
 def _child(
     conn,
-    backend: str,
+    transport_name: str,
     spec: KVCacheSpec,
     num_blocks: int,
     config: TransferConfig,
@@ -74,7 +74,7 @@ def _child(
 ) -> None:  # pragma: no cover - runs in the child process
     try:
         cache = KVCache(spec, num_blocks, device=cache_device)
-        t = create_transport(backend, cache, BlockAllocator(num_blocks), config, **kwargs)
+        t = create_transport(transport_name, cache, BlockAllocator(num_blocks), config, **kwargs)
         conn.send(("ok", t.serve()))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -93,12 +93,12 @@ def _child(
 
 
 class EndpointProcess:
-    """Starts ``backend`` receiving in a spawned process; ``address`` is what senders pass as peer.
+    """Starts the ``transport_name`` backend receiving in a spawned process; ``address`` is what senders pass as peer.
     ``cache_device``: where the receiving KV cache lives (a decode worker's accelerator, or the host)."""
 
     def __init__(
         self,
-        backend: str,
+        transport_name: str,
         spec: KVCacheSpec,
         num_blocks: int,
         config: TransferConfig | None = None,
@@ -111,7 +111,7 @@ class EndpointProcess:
             target=_child,
             args=(
                 child_conn,
-                backend,
+                transport_name,
                 spec,
                 num_blocks,
                 config or TransferConfig(),
@@ -170,7 +170,7 @@ class LocalEndpoint(_Core):
 
     def __init__(
         self,
-        backend: str,
+        transport_name: str,
         spec: KVCacheSpec,
         num_blocks: int,
         config: TransferConfig | None = None,
@@ -179,7 +179,7 @@ class LocalEndpoint(_Core):
     ) -> None:
         super().__init__(
             create_transport(
-                backend,
+                transport_name,
                 KVCache(spec, num_blocks, device=cache_device),
                 BlockAllocator(num_blocks),
                 config,

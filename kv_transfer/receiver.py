@@ -26,6 +26,10 @@ from .wire import _runs, crc32, payload_tensor
 log = logging.getLogger(__name__)
 
 
+# Copy-then-checksum granularity: small enough that the checksum reads the slice from the CPU's cache.
+_CRC_SLICE = 256 << 10
+
+
 def _byte_view(t: torch.Tensor) -> memoryview:
     # t: a contiguous CPU tensor; a writable view of its bytes (uint8 works for every dtype).
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
@@ -65,8 +69,9 @@ class KVReceiver:
         self._inbound: dict[str, _Inbound] = {}
         self._done: dict[str, tuple[_Inbound, float]] = {}
         self._ready: queue.Queue[str] = queue.Queue()
-        # Recently aborted ids, so a late chunk is answered ABORTED rather than UNKNOWN (bounded).
-        self._aborted: OrderedDict[str, str] = OrderedDict()
+        # Why recent transfers were closed early, so every parallel stream of one reports the same status
+        # (a checksum failure on one stream must read as retryable on the others too); bounded.
+        self._ended: OrderedDict[str, tuple[TransferStatus, str]] = OrderedDict()
 
     # -- handshake -------------------------------------------------------------------------------
     def handshake(self, hs: Handshake) -> HandshakeResult:
@@ -86,7 +91,7 @@ class KVReceiver:
             old = self._inbound.get(hs.request_id)
             if old is not None and hs.attempt <= old.hs.attempt or hs.request_id in self._done:
                 return HandshakeResult(TransferStatus.DUPLICATE, spec.block_size, detail="already in flight")
-            self._aborted.pop(hs.request_id, None)
+            self._ended.pop(hs.request_id, None)
         if old is not None:
             # A retry replaces the failed attempt: free what it had.
             self._close(hs.request_id, TransferStatus.ABORTED, "superseded by a retry")
@@ -116,10 +121,10 @@ class KVReceiver:
         with self.lock:
             inb = self._inbound.get(request_id)
             if inb is None:
-                status = TransferStatus.ABORTED if request_id in self._aborted else TransferStatus.UNKNOWN
-                raise KVTransferError(
-                    status, self._aborted.get(request_id, "no transfer in flight"), request_id
+                status, detail = self._ended.get(
+                    request_id, (TransferStatus.UNKNOWN, "no transfer in flight")
                 )
+                raise KVTransferError(status, detail, request_id)
             return inb
 
     def write(self, info: ChunkInfo, payload: memoryview | bytes | torch.Tensor) -> None:
@@ -138,13 +143,14 @@ class KVReceiver:
             self._close(info.request_id, TransferStatus.INVALID, bad)
             raise KVTransferError(TransferStatus.INVALID, bad, info.request_id)
         raw: memoryview | None = None
+        # Bytes copied straight into host blocks are checksummed as they land (a slice at a time, still
+        # in the CPU's cache), which saves a pass over memory; other paths check before they copy.
+        fused = self._fused_copy(inb, payload)
         if isinstance(payload, torch.Tensor):
             src = payload.view(info.num_blocks, hs.sender_block_size, spec.num_kv_heads, spec.head_dim)
         else:
-            if self.config.verify_checksums and crc32(payload) != info.crc32:
-                detail = f"chunk {info.seq} (layer {info.layer}) checksum mismatch"
-                self._close(info.request_id, TransferStatus.CHECKSUM, detail)
-                raise KVTransferError(TransferStatus.CHECKSUM, detail, info.request_id)
+            if self.config.verify_checksums and not fused and crc32(payload) != info.crc32:
+                self._bad_checksum(info)
             try:
                 src = payload_tensor(spec, payload, info.num_blocks, hs.sender_block_size)
             except ValueError as e:
@@ -155,19 +161,43 @@ class KVReceiver:
             if inb.closed:
                 raise KVTransferError(TransferStatus.ABORTED, "aborted", info.request_id)
             inb.writers += 1
+        crc: int | None = None
         try:
-            self._copy_in(inb, info, src, raw)
+            crc = self._copy_in(inb, info, src, raw, checksum=fused)
         finally:
             with inb.cond:
                 inb.writers -= 1
-                inb.received.add(info.seq)
-                inb.bytes += info.nbytes
+                if crc is None or crc == info.crc32:
+                    inb.received.add(info.seq)
+                    inb.bytes += info.nbytes
                 inb.last_activity = time.monotonic()
                 inb.cond.notify_all()
+        if crc is not None and crc != info.crc32:
+            self._bad_checksum(info)  # the blocks are freed, so what landed in them is never decoded
+
+    def _fused_copy(self, inb: _Inbound, payload) -> bool:
+        return (
+            self.config.verify_checksums
+            and not isinstance(payload, torch.Tensor)
+            and inb.slot_map is None
+            and self.cache.data.device.type == "cpu"
+        )
+
+    def _bad_checksum(self, info: ChunkInfo) -> None:
+        detail = f"chunk {info.seq} (layer {info.layer}) checksum mismatch"
+        self._close(info.request_id, TransferStatus.CHECKSUM, detail)
+        raise KVTransferError(TransferStatus.CHECKSUM, detail, info.request_id)
 
     def _copy_in(
-        self, inb: _Inbound, info: ChunkInfo, src: torch.Tensor, raw: memoryview | None = None
-    ) -> None:
+        self,
+        inb: _Inbound,
+        info: ChunkInfo,
+        src: torch.Tensor,
+        raw: memoryview | None = None,
+        checksum: bool = False,
+    ) -> int | None:
+        """Copy the chunk into the request's blocks; with ``checksum``, returns the CRC-32 of the bytes
+        as written (the caller compares it with the sender's)."""
         # src: [n, sender_block_size, KVH, D]; raw: the same bytes, when they came as bytes
         layer_kv = self.cache.data[info.layer, info.kv]  # [num_blocks + 1, block_size, KVH, D]
         if inb.slot_map is None and raw is not None and layer_kv.device.type == "cpu":
@@ -175,11 +205,20 @@ class KVReceiver:
             # threads, which on a small shared host measured ~20x slower than one thread.
             ids = inb.block_ids[info.first_block : info.first_block + info.num_blocks]
             per_block = raw.nbytes // info.num_blocks
-            pos = 0
+            pos, crc = 0, 0
             for start, n in _runs(ids):
-                _byte_view(layer_kv[start : start + n])[:] = raw[pos : pos + n * per_block]
+                dst = _byte_view(layer_kv[start : start + n])
+                if not checksum:
+                    dst[:] = raw[pos : pos + n * per_block]
+                else:
+                    for off in range(0, len(dst), _CRC_SLICE):
+                        end = min(off + _CRC_SLICE, len(dst))
+                        dst[off:end] = raw[pos + off : pos + end]
+                        crc = crc32(dst[off:end], crc)
                 pos += n * per_block
-            return
+            return crc if checksum else None
+        if checksum:
+            raise ValueError("a fused checksum needs raw bytes and a host cache")
         src = src.to(self.cache.device)
         if inb.slot_map is None:
             ids = inb.block_ids[info.first_block : info.first_block + info.num_blocks]
@@ -187,13 +226,14 @@ class KVReceiver:
             for start, n in _runs(ids):
                 layer_kv[start : start + n].copy_(src[pos : pos + n])
                 pos += n
-            return
+            return None
         # Re-block: token t of the request goes to slot slot_map[t] whatever the two block sizes.
         bs_src = inb.hs.sender_block_size
         tok0 = info.first_block * bs_src
         tok1 = min(tok0 + info.num_blocks * bs_src, inb.hs.num_tokens)
         tokens = src.reshape(-1, src.shape[-2], src.shape[-1])[: tok1 - tok0]  # [tokens, KVH, D]
         self.cache.flat_slots(info.layer, info.kv).index_copy_(0, inb.slot_map[tok0:tok1], tokens)
+        return None
 
     def end_stream(self, request_id: str) -> tuple[TransferStatus, bool, str]:
         """One transfer stream ended. Returns (status, final, detail); final is False while other
@@ -247,10 +287,9 @@ class KVReceiver:
                 inb = done[0]
             if inb is None:
                 return False
-            if status is TransferStatus.ABORTED:
-                self._aborted[request_id] = reason or "aborted"
-                while len(self._aborted) > 4096:
-                    self._aborted.popitem(last=False)
+            self._ended[request_id] = (status, reason or status.value)
+            while len(self._ended) > 4096:
+                self._ended.popitem(last=False)
         with inb.cond:
             inb.closed = True
             # A copy into these blocks may be running on another thread: free only after it ends.

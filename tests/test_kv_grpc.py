@@ -88,3 +88,105 @@ def test_unreachable_peer_fails_within_the_deadline() -> None:
         assert alloc.num_used == 0
     finally:
         tx.close()
+
+
+def _self_signed(tmp_path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 made by the openssl binary (no network, no extra Python package)."""
+    import subprocess
+
+    cert, key = tmp_path / "kv.pem", tmp_path / "kv.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    return str(cert), str(key)
+
+
+def test_tls_with_a_configured_certificate_and_refusal_without_it(tmp_path) -> None:
+    cert, key = _self_signed(tmp_path)
+    rx = LocalEndpoint(
+        "grpc", SPEC, 32, TransferConfig(**BASE, tls_cert_file=cert, tls_key_file=key, auth_token="t0k")
+    )
+    cache, alloc, tls = _sender(tls_ca_file=cert, auth_token="t0k", same_node_fast_path=False)
+    _, alloc2, plain = _sender(auth_token="t0k", same_node_fast_path=False, rpc_timeout_s=2.0)
+    try:
+        ids = alloc.allocate(SPEC.blocks_for_tokens(30))
+        want = gather_tokens(cache, ids, 30).clone()
+        m = tls.send(rx.address, "tls", ids, 30, first_token=5)
+        assert m.status == "ok" and m.backend == "grpc"
+        got = rx.receive(5)
+        assert got["request_id"] == "tls" and torch.equal(got["data"], want)
+        # A plaintext client cannot talk to the TLS endpoint: refused, and its blocks come back.
+        with pytest.raises(KVTransferError) as e:
+            plain.send(rx.address, "plain", alloc2.allocate(2), 8, first_token=1)
+        assert e.value.status in (TransferStatus.UNAVAILABLE, TransferStatus.TIMEOUT)
+        assert alloc.num_used == 0 and alloc2.num_used == 0
+        assert rx.stats()["used_blocks"] == 0
+    finally:
+        tls.close()
+        plain.close()
+        rx.close()
+
+
+def test_sender_blocks_instead_of_buffering_when_the_receiver_stalls(monkeypatch) -> None:
+    # The receiver stops writing; the sender must stop producing chunks after a bounded number (its queue of
+    # max_inflight_chunks plus what gRPC's flow-control windows hold), not encode the whole transfer into memory.
+    import threading
+    import time
+
+    from kv_transfer import grpc_transport, receiver
+
+    gate = threading.Event()
+    real_write = receiver.KVReceiver.write
+
+    def stalled_write(self, info, payload):
+        gate.wait(30)
+        return real_write(self, info, payload)
+
+    encoded = []
+    real_encode = grpc_transport.encode_chunk
+
+    def counting_encode(header, views=()):
+        encoded.append(1)
+        return real_encode(header, views)
+
+    monkeypatch.setattr(receiver.KVReceiver, "write", stalled_write)
+    monkeypatch.setattr(grpc_transport, "encode_chunk", counting_encode)
+    spec = KVCacheSpec(
+        architecture="LlamaForCausalLM", num_layers=4, num_kv_heads=4, head_dim=64, block_size=16
+    )
+    per_block = spec.bytes_per_block // (2 * spec.num_layers)  # one block of one layer's K: 16 KiB
+    cfg = TransferConfig(
+        chunk_bytes=64 * per_block,  # 1 MiB chunks
+        max_message_bytes=8 << 20,
+        max_inflight_chunks=2,
+        num_streams=1,
+        rpc_timeout_s=30.0,
+        same_node_fast_path=False,
+    )
+    rx = LocalEndpoint("grpc", spec, 1100, cfg)
+    cache, alloc = KVCache(spec, 1100), BlockAllocator(1100)
+    tx = create_transport("grpc", cache, alloc, cfg)
+    ids = alloc.allocate(1024)  # 16K tokens: 8 layer-KV x 16 chunks = 128 chunks of 1 MiB
+    result: dict = {}
+    sender = threading.Thread(
+        target=lambda: result.update(m=tx.send(rx.address, "bp", ids, 1024 * 16, first_token=1))
+    )
+    try:
+        sender.start()
+        time.sleep(1.5)
+        held = len(encoded)
+        assert sender.is_alive(), "the sender finished although the receiver wrote nothing"
+        assert held <= 2 + 1 + 16, f"sender produced {held} of 128 chunks while the receiver was stalled"
+        gate.set()
+        sender.join(30)
+        assert result["m"].status == "ok" and result["m"].chunks == 128
+        assert rx.receive(10)["num_tokens"] == 1024 * 16
+        assert alloc.num_used == 0 and rx.stats()["used_blocks"] == 0
+    finally:
+        gate.set()
+        sender.join(30)
+        tx.close()
+        rx.close()

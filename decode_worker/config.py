@@ -30,6 +30,9 @@ class WorkerConfig:
     tombstone_ttl_s: float = 120.0
     # Prefill: sender threads moving KV to decode workers while the next batch runs.
     num_senders: int = 2
+    # Prefill: send each layer's KV as soon as the layer is computed (hides the transfer behind the rest of
+    # the forward pass); False sends a request's KV after its batch.
+    stream_kv_layers: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.worker_id, str) or not self.worker_id:
@@ -42,6 +45,8 @@ class WorkerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"WorkerConfig.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.stream_kv_layers, bool):
+            raise ValueError(f"WorkerConfig.stream_kv_layers must be a bool, got {self.stream_kv_layers!r}")
         for name in ("heartbeat_s", "tombstone_ttl_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:

@@ -52,7 +52,9 @@ class DecodeWorker(EngineWorker):
         with self._lock:
             if rid in self._tombstones:
                 return False
-            if need_blocks > self._available_blocks():
+            held = self._held_blocks()
+            # What this request holds already (its streamed KV) is part of what it needs, not extra.
+            if need_blocks - held.get(rid, 0) > self._available_blocks(held):
                 return False
             self._expected[rid] = msg
             self._reserved[rid] = need_blocks
@@ -60,11 +62,15 @@ class DecodeWorker(EngineWorker):
         return True
 
     def forget(self, request_id: str) -> None:
-        """Drop an announcement whose KV will not come (the transfer failed; the request is recomputed)."""
+        """Drop an announcement whose KV will not come (the transfer failed; the request is recomputed), or KV
+        that came without one (a streamed transfer whose request was placed elsewhere): frees its blocks."""
         with self._lock:
             self._expected.pop(request_id, None)
             self._reserved.pop(request_id, None)
             self._consumer.pop(request_id, None)
+            orphan = self._orphans.pop(request_id, None)
+        if orphan is not None:
+            self.engine.allocator.free(orphan[0].block_ids)
 
     def abort(self, request_id: str, wait_s: float = 2.0) -> bool:
         """Drop the request wherever it is here (in flight, announced, running); waits until its blocks are free."""
@@ -84,9 +90,19 @@ class DecodeWorker(EngineWorker):
         self.transport.close()
 
     # ------------------------------------------------------------------ loop
-    def _available_blocks(self) -> int:
+    def _held_blocks(self) -> dict[str, int]:
+        """Blocks each request already holds here: running, received ahead of its announcement, or arriving
+        (a streamed transfer starts before the prefill ends, so its blocks are taken before ``expect``)."""
+        held = self.transport.receiver.blocks_by_request()
+        for rid, (kv, _) in self._orphans.items():
+            held[rid] = held.get(rid, 0) + len(kv.block_ids)
+        for r in list(self.engine.running):
+            held[r.request_id] = held.get(r.request_id, 0) + len(r.block_ids)
+        return held
+
+    def _available_blocks(self, held: dict[str, int] | None = None) -> int:
         """Free blocks not yet promised to announced or running requests (caller holds the lock)."""
-        held = {r.request_id: len(r.block_ids) for r in list(self.engine.running)}
+        held = self._held_blocks() if held is None else held
         promised = sum(max(0, need - held.get(rid, 0)) for rid, need in self._reserved.items())
         return self.engine.allocator.num_free - promised
 

@@ -246,9 +246,7 @@ class LLMEngine:
         (hand them over with :meth:`detach`). Requests not yet known to the engine are registered.
         ``on_layer_written(layer)`` runs as each layer's K/V land in the cache, so the transfer of
         layer i can overlap the compute of the layers after it."""
-        for r in reqs:
-            self.requests.setdefault(r.request_id, r)
-            self._grow(r, r.num_tokens)
+        self.allocate_prompts(reqs)
         t0 = time.perf_counter()
         logits = self.runner.prefill(reqs, on_layer_written)
         self.stats["prefill_steps"] += 1
@@ -260,6 +258,13 @@ class LLMEngine:
             outs.append(self._append(r, tokens[i], logprobs[i] if logprobs else None))
         logger.debug("prefill of %d requests in %.1f ms", len(reqs), (time.perf_counter() - t0) * 1e3)
         return outs
+
+    def allocate_prompts(self, reqs: Sequence[Request]) -> None:
+        """Register the requests (when new) and give each the blocks its prompt needs, all before any compute:
+        a prefill worker opens the KV transfers of a batch on these blocks, then runs :meth:`prefill_only`."""
+        for r in reqs:
+            self.requests.setdefault(r.request_id, r)
+            self._grow(r, r.num_tokens)
 
     def _run_prefill(self, reqs: list[Request]) -> list[RequestOutput]:
         outs = self.prefill_only(reqs)

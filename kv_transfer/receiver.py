@@ -329,3 +329,10 @@ class KVReceiver:
     def is_idle(self) -> bool:
         with self.lock:
             return not self._inbound and not self._done
+
+    def blocks_by_request(self) -> dict[str, int]:
+        """Blocks held here per request: transfers in flight and received ones not yet taken."""
+        with self.lock:
+            held = {rid: len(inb.block_ids) for rid, inb in self._inbound.items()}
+            held.update((rid, len(inb.block_ids)) for rid, (inb, _) in self._done.items())
+            return held

@@ -23,6 +23,7 @@ from decode_worker.heartbeat import lookup_actor
 from engine.messages import PrefilledMessage, RequestMessage
 from engine.request import FinishReason, Request, RequestOutput
 from kv_transfer import KVTransferError, create_transport
+from kv_transfer.streaming import LayerStreamer
 from monitor.records import BatchRecord
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class PrefillWorker(EngineWorker):
         self._cond = threading.Condition()
         self._queue: collections.deque[tuple[int, list[tuple[RequestMessage, str]]]] = collections.deque()
         self._in_progress = 0  # batches taken off the queue whose transfers are not all done
+        self._streamed = 0  # transfers that went layer by layer during their prefill and were acknowledged
         self._peers: dict[str, tuple[object, str]] = {}  # decode worker id -> (actor handle, KV address)
         self._tombstones: dict[str, float] = {}
         self._controller = None
@@ -74,6 +76,7 @@ class PrefillWorker(EngineWorker):
             **super().stats(),
             "queued_batches": queued,
             "in_progress": self._in_progress,
+            "streamed_transfers": self._streamed,
             "transport": self.transport.stats(),
         }
 
@@ -96,16 +99,19 @@ class PrefillWorker(EngineWorker):
                 batch_id, items = self._queue.popleft()
                 self._in_progress += 1
                 items = [(m, d) for m, d in items if m.request_id not in self._tombstones]
+            streamer = LayerStreamer(self.transport) if self.config.stream_kv_layers else None
             try:
-                sends = self._run(items)
+                sends = self._run(items, streamer)
             except Exception as e:
                 logger.exception("prefill batch %d failed", batch_id)
                 sends = []
                 for msg, _ in items:
                     self._give_back(msg, f"prefill failed: {e}")
-            self._senders.submit(self._send_all, batch_id, sends)
+            self._senders.submit(self._send_all, batch_id, sends, streamer)
 
-    def _run(self, items: list[tuple[RequestMessage, str]]) -> list[tuple[RequestMessage, Request, str]]:
+    def _run(
+        self, items: list[tuple[RequestMessage, str]], streamer: LayerStreamer | None = None
+    ) -> list[tuple[RequestMessage, Request, str]]:
         if not items:
             return []
         bs = self.engine.block_size
@@ -117,12 +123,25 @@ class PrefillWorker(EngineWorker):
                 raise RuntimeError(f"prefill needs {need} KV blocks, {self.engine.allocator.num_free} free")
             time.sleep(0.002)
         reqs = [m.to_request() for m, _ in items]
+        if streamer is not None:
+            items, reqs = self._begin_streams(items, reqs, streamer)
+            if not items:
+                return []
+        streamed = set(streamer.request_ids) if streamer is not None else set()
         t0 = time.perf_counter()
         try:
-            outs = self.engine.prefill_only(reqs)
+            hook = streamer.on_layer_written if streamer is not None else None
+            outs = self.engine.prefill_only(reqs, on_layer_written=hook)
         except BaseException:
+            if streamer is not None:
+                streamer.abort("prefill failed")  # the transport frees the streamed requests' blocks
             for r in reqs:
-                self._drop(self.engine.detach(r.request_id))
+                req = self.engine.detach(r.request_id)
+                if r.request_id in streamed:
+                    self._forget_on(items[reqs.index(r)][1], r.request_id)
+                    req.block_ids = []
+                else:
+                    self._drop(req)
             raise
         ms = (time.perf_counter() - t0) * 1e3
         self._latency_ms = ms if self._latency_ms is None else 0.8 * self._latency_ms + 0.2 * ms
@@ -132,11 +151,45 @@ class PrefillWorker(EngineWorker):
         for (msg, decode_id), r in zip(items, reqs, strict=True):
             req = self.engine.detach(r.request_id)
             if req.finished:  # done at its first token (EOS, max_tokens=1): nothing to decode
-                self._drop(req)
+                if streamer is not None and streamer.cancel(req.request_id, "finished at its first token"):
+                    self._forget_on(decode_id, req.request_id)  # KV that already landed there
+                    req.block_ids = []
+                else:
+                    self._drop(req)
             else:
                 sends.append((msg, req, decode_id))
         self.heartbeat.push()
         return sends
+
+    def _begin_streams(
+        self, items: list[tuple[RequestMessage, str]], reqs: list[Request], streamer: LayerStreamer
+    ) -> tuple[list[tuple[RequestMessage, str]], list[Request]]:
+        """Allocate the batch's blocks and open each request's transfer before the forward pass, so layers go
+        as they are written. A request whose decode worker refuses the handshake (full, unreachable) leaves
+        the batch and is re-planned; the transport has already freed its blocks."""
+        self.engine.allocate_prompts(reqs)
+        kept_items, kept_reqs = [], []
+        for (msg, decode_id), r in zip(items, reqs, strict=True):
+            peer = self._peers.get(decode_id)
+            if peer is None:
+                # No transfer to open: this request goes the unstreamed way and fails there by name.
+                kept_items.append((msg, decode_id))
+                kept_reqs.append(r)
+                continue
+            if streamer.begin(peer[1], r.request_id, r.block_ids, r.num_tokens):
+                kept_items.append((msg, decode_id))
+                kept_reqs.append(r)
+                continue
+            err = streamer.finish([r.request_id])[r.request_id]
+            self.engine.detach(r.request_id).block_ids = []  # freed by the transport
+            full = isinstance(err, KVTransferError) and err.receiver_full
+            self._give_back(msg, f"KV transfer refused: {err}", decode_id if full else None)
+        return kept_items, kept_reqs
+
+    def _forget_on(self, decode_id: str, rid: str) -> None:
+        peer = self._peers.get(decode_id)
+        if peer is not None:
+            peer[0].forget.remote(rid)
 
     def _drop(self, req: Request) -> None:
         if req.block_ids:
@@ -153,16 +206,27 @@ class PrefillWorker(EngineWorker):
         self._monitor.record_batch.remote(rec)
 
     # ------------------------------------------------------------------ sending
-    def _send_all(self, batch_id: int, sends: list[tuple[RequestMessage, Request, str]]) -> None:
+    def _send_all(
+        self,
+        batch_id: int,
+        sends: list[tuple[RequestMessage, Request, str]],
+        streamer: LayerStreamer | None = None,
+    ) -> None:
         try:
             for msg, req, decode_id in sends:
                 try:
-                    self._send(msg, req, decode_id)
+                    self._send(msg, req, decode_id, streamer)
                 except Exception as e:
                     logger.exception("KV hand-off of %s failed", msg.request_id)
-                    self._drop(req)
+                    if streamer is not None and streamer.cancel(msg.request_id, "hand-off failed"):
+                        self._forget_on(decode_id, msg.request_id)
+                        req.block_ids = []
+                    else:
+                        self._drop(req)
                     self._give_back(msg, f"KV hand-off failed: {e}")
         finally:
+            if streamer is not None:
+                streamer.finish()  # ends whatever is left (e.g. requests aborted meanwhile)
             with self._cond:
                 self._in_progress -= 1
             controller = self._get_controller()
@@ -170,10 +234,16 @@ class PrefillWorker(EngineWorker):
                 controller.batch_done.remote(self.config.worker_id, batch_id)
             self.heartbeat.push()
 
-    def _send(self, msg: RequestMessage, req: Request, decode_id: str) -> None:
+    def _send(
+        self, msg: RequestMessage, req: Request, decode_id: str, streamer: LayerStreamer | None = None
+    ) -> None:
         rid = msg.request_id
+        streamed = streamer is not None and streamer.owns(rid)
         peer = self._peers.get(decode_id)
         if peer is None:
+            if streamed:
+                streamer.cancel(rid, f"unknown decode worker {decode_id}")
+                req.block_ids = []
             self._drop(req)
             self._give_back(msg, f"unknown decode worker {decode_id}")
             return
@@ -189,18 +259,30 @@ class PrefillWorker(EngineWorker):
             reason = f"decode worker {decode_id} full"
         except Exception as e:  # the decode worker died or hangs: place the request elsewhere
             accepted, reason = False, f"decode worker {decode_id} unreachable: {type(e).__name__}"
-        if self._aborted(rid):
+        if self._aborted(rid) or not accepted:
+            if streamed:
+                # Abort the transfer first (both sides free what they hold), then drop what already landed.
+                streamer.cancel(rid, "aborted" if self._aborted(rid) else reason)
+                req.block_ids = []
             self._drop(req)
-            if accepted:
+            if streamed or accepted:
                 handle.forget.remote(rid)
-            return
-        if not accepted:
-            self._drop(req)
-            self._give_back(msg, reason, decode_id)
+            if not self._aborted(rid):
+                self._give_back(msg, reason, decode_id)
             return
         try:
-            # The transport owns the blocks from here and frees them on acknowledgement or failure.
-            self.transport.send(address, rid, req.block_ids, req.num_computed_tokens, req.output_token_ids[0])
+            # The transport owns the blocks from here (from the handshake, when streamed) and frees them on
+            # acknowledgement or failure.
+            if streamed:
+                result = streamer.finish([rid])[rid]
+                if isinstance(result, KVTransferError):
+                    raise result
+                with self._cond:
+                    self._streamed += 1
+            else:
+                self.transport.send(
+                    address, rid, req.block_ids, req.num_computed_tokens, req.output_token_ids[0]
+                )
         except KVTransferError as e:
             handle.forget.remote(rid)
             if not self._aborted(rid):

@@ -27,6 +27,9 @@ BACKENDS = ["local", "grpc", "shm", "shm-zero-copy", "torch_dist"]
 # Both caches live on the host here; BUCKETSERVE_TEST_DEVICE=cuda puts them on a GPU (as on GPU prefill and
 # decode workers), except the zero-copy one, which is host shared memory by definition.
 DEVICE = os.environ.get("BUCKETSERVE_TEST_DEVICE", "cpu")
+# torch_dist takes its backend from the cache's device (nccl on CUDA), but NCCL refuses two ranks on one GPU:
+# with fewer than two GPUs the test moves the CUDA caches' blocks over gloo (staged through the host).
+DIST_BACKEND = "nccl" if DEVICE == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
 
 
 class Pair:
@@ -53,7 +56,8 @@ class Pair:
                 SPEC,
                 RECEIVER_BLOCKS,
                 CFG,
-                cache_device=DEVICE,
+                cache_device=f"{DEVICE}:1" if DIST_BACKEND == "nccl" else DEVICE,
+                backend=DIST_BACKEND,
                 rank=1,
                 world_size=2,
                 init_method=init,
@@ -61,7 +65,14 @@ class Pair:
             )
             # Joins the process group with the endpoint (collective: both sides must be up).
             self.sender = create_transport(
-                "torch_dist", self.cache, self.alloc, CFG, rank=0, world_size=2, init_method=init
+                "torch_dist",
+                self.cache,
+                self.alloc,
+                CFG,
+                backend=DIST_BACKEND,
+                rank=0,
+                world_size=2,
+                init_method=init,
             )
         self.peer = self.endpoint.wait_ready()
 

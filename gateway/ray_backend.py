@@ -161,6 +161,12 @@ class RayClusterBackend(ServingBackend):
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
+    async def settle(self) -> None:
+        """Wait for the clean-up calls already started (release of finished requests, aborts of abandoned ones);
+        a caller about to close its event loop (a script, a test) calls this so none is dropped unsent."""
+        while pending := [t for t in self._background if not t.done()]:
+            await asyncio.gather(*pending, return_exceptions=True)
+
     async def _submit(self, msg: RequestMessage, stream: _Stream) -> None:
         if self.config.mode == "colocated":
             workers = list(self.handles.by_role("colocated").items())

@@ -83,6 +83,11 @@ async def collect(backend, req: Request, started: asyncio.Event | None = None) -
             got.finished_at = time.monotonic()
             got.finish_reason = out.finish_reason
             got.error = out.error
+    # The gateway tells the controller in a background task; each test runs its own event loop, which must
+    # not close before that call is sent.
+    settle = getattr(backend, "settle", None)
+    if settle is not None:
+        await settle()
     return got
 
 

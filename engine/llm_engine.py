@@ -322,7 +322,7 @@ class LLMEngine:
         sp = req.sampling
         if not sp.ignore_eos and (token in self.eos_token_ids or token in sp.stop_token_ids):
             return FinishReason.STOP
-        if sp.stop:
+        if sp.stop and self._stop_in_tail(req):
             req.output_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
             # Cut at the earliest stop string in the text, whichever of them it is.
             cuts = [c for c in (req.output_text.find(s) for s in sp.stop) if c >= 0]
@@ -332,6 +332,16 @@ class LLMEngine:
         if req.num_generated_tokens >= sp.max_tokens or req.num_tokens >= self.config.scheduler.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def _stop_in_tail(self, req: Request) -> bool:
+        """Whether a stop string ends in the text of the newest token. Earlier tokens were checked when they
+        came, so a new match must end here: decoding a tail of tokens is enough, keeping the check O(1) per
+        token instead of decoding the whole output each time. Every token is at least one byte and a character
+        at most four, so 4 tokens per character of the longest stop string (plus slack) always cover it."""
+        longest = max(len(s) for s in req.sampling.stop)
+        tail = req.output_token_ids[-(4 * longest + 8) :]
+        text = self.tokenizer.decode(tail, skip_special_tokens=True)
+        return any(s in text for s in req.sampling.stop)
 
     @staticmethod
     def _output(req: Request, tokens: list[int], logprobs: list[float]) -> RequestOutput:

@@ -93,3 +93,24 @@ def test_too_long_prompt_is_rejected_with_the_limit(engine: LLMEngine) -> None:
 
     with pytest.raises(RequestRejected, match="max_model_len is 512"):
         engine.add_request(Request("long", [5] * 600))
+
+
+def test_stop_string_check_decodes_a_bounded_tail(engine: LLMEngine, monkeypatch) -> None:
+    # 200 tokens with a stop string that never matches: each token's check decodes a bounded tail, not the whole
+    # output (which made long generations quadratic); the result equals the run without stop strings.
+    prompt = random_prompts([12], seed=5)[0]
+    plain = Request("no-stop", prompt, SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.generate([plain])
+    decoded: list[int] = []
+    real = engine.tokenizer.decode
+
+    def counting(ids, *a, **kw):
+        decoded.append(len(ids))
+        return real(ids, *a, **kw)
+
+    monkeypatch.setattr(engine.tokenizer, "decode", counting)
+    stop = "\x00never\x00"
+    req = Request("tail", prompt, SamplingParams(max_tokens=200, ignore_eos=True, stop=(stop,)))
+    engine.generate([req])
+    assert req.output_token_ids == plain.output_token_ids and req.finish_reason.value == "length"
+    assert len(decoded) == 200 and max(decoded) <= 4 * len(stop) + 8

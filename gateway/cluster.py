@@ -39,6 +39,8 @@ class ClusterConfig:
     colocated_workers: int = 1
     kv_transport: str = "grpc"
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    # Prefill workers send each layer's KV as soon as it is computed (False: each request's KV after its batch).
+    stream_kv_layers: bool = True
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     policy: PriorityPolicy = field(default_factory=PriorityPolicy)
     # Controller scheduling: "buckets" (adaptive request buckets + priority policy) or "fcfs" (one bucket,
@@ -181,6 +183,7 @@ def launch_cluster(config: ClusterConfig) -> ClusterHandles:
             engine=config.engine,
             kv_transport=config.kv_transport,
             transfer=config.transfer,
+            stream_kv_layers=config.stream_kv_layers,
             monitor_name=config.actor_name("monitor"),
             controller_name=controller_name,
             num_threads=config.num_threads,

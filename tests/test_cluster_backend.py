@@ -200,3 +200,25 @@ def test_health_reports_every_worker_up_and_warmed(backends):
         roles = sorted(w["role"] for w in health["workers"])
         assert roles == (["decode", "prefill"] if mode == "disaggregated" else ["colocated"])
         assert "bucketserve" in asyncio.run(backend.metrics_text())
+
+
+def test_kv_sent_after_the_batch_when_layer_streaming_is_off(ray_session):
+    # The unstreamed hand-off (--no-kv-stream-layers): same exact answers, no streamed transfer, no leak.
+    backend = RayClusterBackend(cluster_config("disaggregated", "t-nostream", stream_kv_layers=False))
+    try:
+        rng = random.Random(11)
+        reqs = [make_request(f"ns{i}", rng.randint(3, 150), rng.randint(2, 12), seed=4) for i in range(6)]
+
+        async def run():
+            return await asyncio.gather(*(collect(backend, r) for r in reqs))
+
+        for req, got in zip(reqs, asyncio.run(run()), strict=True):
+            assert got.error is None, got.error
+            assert got.tokens == reference_tokens(req.prompt_token_ids, req.sampling.max_tokens), (
+                req.request_id
+            )
+        stats = asyncio.run(wait_idle(backend))
+        assert_no_leaks(stats)
+        assert sum(s.get("streamed_transfers", 0) for s in stats.values()) == 0
+    finally:
+        asyncio.run(backend.shutdown())

@@ -32,6 +32,13 @@ def test_config_file_fills_defaults_and_flags_win(tmp_path):
     assert cfg.mode == "colocated" and cfg.decode_workers == 3 and cfg.engine.model == "tiny"
 
 
+def test_kv_layer_streaming_is_on_unless_turned_off(tmp_path):
+    assert cluster_config_from_args(parse([])).stream_kv_layers is True
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"no-kv-stream-layers": True}))
+    assert cluster_config_from_args(apply_config_file(parse(["--config", str(f)]))).stream_kv_layers is False
+
+
 def test_unknown_config_key_is_named(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump({"prefill_wrokers": 2}))

@@ -49,6 +49,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument("--colocated-workers", type=int, default=1)
     p.add_argument("--kv-transport", default="grpc", choices=["grpc", "shm", "local", "torch_dist"])
+    p.add_argument(
+        "--no-kv-stream-layers",
+        action="store_true",
+        help="send each request's KV after its prefill batch instead of layer by layer during it",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", default=None, help="Ray cluster address; none: start Ray in-process")
@@ -123,6 +128,7 @@ def cluster_config_from_args(args: argparse.Namespace, detached: bool = False):
         decode_workers=args.decode_workers,
         colocated_workers=args.colocated_workers,
         kv_transport=args.kv_transport,
+        stream_kv_layers=not args.no_kv_stream_layers,
         monitor=MonitorConfig.for_url(args.redis_url),
         ray_address=args.address,
         name=args.name,

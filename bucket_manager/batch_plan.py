@@ -36,7 +36,9 @@ class BatchPlan:
     padded_tokens: int  # shape tokens (batch x query) minus real tokens; 0 when unpadded
     prefill_blocks: int
     decode_blocks: int
-    by_guard: bool = False  # offline work served by the starvation guard ahead of online work
+    by_guard: bool = (
+        False  # chosen by a starvation guard (offline aging or share, online sjf aging), not the order
+    )
 
     @property
     def padding_ratio(self) -> float:
@@ -52,6 +54,10 @@ def _choose_bucket(
         None if oldest_offline is None else oldest_offline.arrival, now, online_streak
     )
     if not due:
+        oldest_online = queue.oldest(PriorityClass.ONLINE)
+        if oldest_online is not None and policy.online_is_overdue(oldest_online.arrival, now):
+            index = queue.bucket_index(oldest_online.prompt_len)
+            return PriorityClass.ONLINE, index, oldest_online, True
         online = _most_urgent(queue, PriorityClass.ONLINE)
         if online is not None:
             return PriorityClass.ONLINE, online, None, False

@@ -1,7 +1,9 @@
 """Priority policies: the order of requests inside a class, and how offline work is kept from starving.
 
 Online requests come first: the batch is built from the request bucket holding the most urgent online
-request (earliest arrival by default, or earliest TTFT deadline). Offline requests are ordered shortest job
+request (earliest arrival by default, earliest TTFT deadline, or shortest prompt first). Shortest first keeps
+short prompts from queueing behind long prefills, which raises TTFT attainment on mixed lengths; its guard
+serves the oldest online request first once it has waited ``max_online_wait_s``, so long prompts still run. Offline requests are ordered shortest job
 first (most requests per second) or longest job first (most tokens per second). Because online work always
 wins, offline work needs a guard: ``aging`` serves the oldest offline request first once it has waited
 ``max_offline_wait_s``; ``share`` gives offline work one batch after every ``online_batches_per_offline``
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 
 from bucket_manager.request import PriorityClass, RequestSummary
 
-ONLINE_ORDERS = ("arrival", "deadline")
+ONLINE_ORDERS = ("arrival", "deadline", "sjf")
 OFFLINE_ORDERS = ("sjf", "ljf")
 GUARDS = ("aging", "share", "none")
 
@@ -29,6 +31,8 @@ class PriorityPolicy:
     offline_order: str = "sjf"
     starvation_guard: str = "aging"
     max_offline_wait_s: float = 30.0
+    # online_order "sjf": an online request that has waited this long goes first whatever its length.
+    max_online_wait_s: float = 10.0
     online_batches_per_offline: int = 4
     # Fill room left in a batch with the other class's requests from the same bucket: same padded shape,
     # so they ride along almost for free.
@@ -41,10 +45,10 @@ class PriorityPolicy:
             raise ValueError(f"offline_order must be one of {OFFLINE_ORDERS}, got {self.offline_order!r}")
         if self.starvation_guard not in GUARDS:
             raise ValueError(f"starvation_guard must be one of {GUARDS}, got {self.starvation_guard!r}")
-        if not (self.max_offline_wait_s >= 0 and math.isfinite(self.max_offline_wait_s)):
-            raise ValueError(
-                f"max_offline_wait_s must be a finite number >= 0, got {self.max_offline_wait_s!r}"
-            )
+        for name in ("max_offline_wait_s", "max_online_wait_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not isinstance(self.online_batches_per_offline, int) or self.online_batches_per_offline < 1:
             raise ValueError(
                 f"online_batches_per_offline must be an int >= 1, got {self.online_batches_per_offline!r}"
@@ -55,9 +59,17 @@ class PriorityPolicy:
         if request.priority_class is PriorityClass.ONLINE:
             if self.online_order == "deadline":
                 return (request.priority, request.ttft_deadline, request.arrival)
+            if self.online_order == "sjf":
+                return (request.priority, request.prompt_len, request.arrival)
             return (request.priority, request.arrival)
         length = request.prompt_len if self.offline_order == "sjf" else -request.prompt_len
         return (request.priority, length, request.arrival)
+
+    def online_is_overdue(self, oldest_online_arrival: float | None, now: float) -> bool:
+        """Shortest-first only: whether the oldest online request has waited long enough to go first."""
+        if self.online_order != "sjf" or oldest_online_arrival is None:
+            return False
+        return now - oldest_online_arrival >= self.max_online_wait_s
 
     def offline_is_due(self, oldest_offline_arrival: float | None, now: float, online_streak: int) -> bool:
         """Whether offline work goes before queued online work now. ``online_streak``: online batches

@@ -93,6 +93,27 @@ def test_online_goes_first_by_arrival_or_deadline():
     assert plan is not None and plan.request_ids[0] == "late-tight"
 
 
+def test_online_shortest_first_and_its_aging_guard():
+    policy = PriorityPolicy(online_order="sjf", max_online_wait_s=10.0, fill_with_other_class=False)
+    reqs = [RequestSummary("long", 900, 8, ONLINE, arrival=0.0)]
+    reqs += [RequestSummary(f"s{i}", 20 + i, 8, ONLINE, arrival=1.0 + i) for i in range(8)]
+    q = make_queue(reqs, policy)
+    q.adjust(4)
+    assert q.bucket_index(900) != q.bucket_index(20), "the test needs the long prompt in a bucket of its own"
+    # Before the guard: the short prompts go first although the long one arrived first.
+    plan = plan_batch(q, SHAPES, budget(), policy, now=9.9)
+    assert plan is not None and not plan.by_guard and "long" not in plan.request_ids
+    assert plan.request_ids[0] == "s0"
+    # Once it has waited max_online_wait_s, the long one goes first.
+    plan = plan_batch(q, SHAPES, budget(), policy, now=10.0)
+    assert plan is not None and plan.by_guard and plan.request_ids[0] == "long"
+    # Arrival order (the default) would have served it first from the start.
+    by_arrival = PriorityPolicy(fill_with_other_class=False)
+    q = make_queue(reqs, by_arrival)
+    q.adjust(4)
+    assert plan_batch(q, SHAPES, budget(), by_arrival, now=0.0).request_ids[0] == "long"
+
+
 def test_offline_sjf_and_ljf():
     reqs = [RequestSummary(f"o{n}", n, 8, OFFLINE, arrival=0.0) for n in (300, 20, 700)]
     for order, first in (("sjf", "o20"), ("ljf", "o700")):
@@ -163,7 +184,8 @@ request_st = st.builds(
 )
 policy_st = st.builds(
     PriorityPolicy,
-    online_order=st.sampled_from(["arrival", "deadline"]),
+    online_order=st.sampled_from(["arrival", "deadline", "sjf"]),
+    max_online_wait_s=st.floats(0, 50),
     offline_order=st.sampled_from(["sjf", "ljf"]),
     starvation_guard=st.sampled_from(["aging", "share"]),
     max_offline_wait_s=st.floats(0, 50),

@@ -41,6 +41,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=["buckets", "fcfs"],
         help="disaggregated controller: adaptive request buckets + priorities, or one FCFS queue (baseline)",
     )
+    p.add_argument(
+        "--online-order",
+        default="arrival",
+        choices=["arrival", "deadline", "sjf"],
+        help="buckets scheduling: order of online requests (sjf: shortest prompt first, oldest after 10 s)",
+    )
     p.add_argument("--static-batch-size", type=int, default=8, help="static mode: requests per batch")
     p.add_argument(
         "--static-max-wait-ms", type=float, default=50.0, help="static mode: wait for a batch to fill"
@@ -116,6 +122,7 @@ def apply_config_file(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def cluster_config_from_args(args: argparse.Namespace, detached: bool = False):
+    from bucket_manager.priority import PriorityPolicy
     from engine.config import config_from_args
     from gateway.cluster import ClusterConfig
     from monitor import MonitorConfig
@@ -124,6 +131,7 @@ def cluster_config_from_args(args: argparse.Namespace, detached: bool = False):
         engine=config_from_args(args),
         mode=args.mode,
         scheduling=args.scheduling,
+        policy=PriorityPolicy(online_order=args.online_order),
         prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers,
         colocated_workers=args.colocated_workers,

@@ -61,6 +61,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument("--colocated-workers", type=int, default=1)
     p.add_argument("--no-request-buckets", action="store_true", help="baseline: one FCFS queue, no splits")
+    p.add_argument(
+        "--online-order", choices=("arrival", "deadline", "sjf"), default="arrival", help="as serve's flag"
+    )
     p.add_argument("--workload", choices=WORKLOADS, default="mixed")
     p.add_argument("--rates", type=_rates, default=[1.0, 2.0, 4.0, 8.0], help="comma-separated req/s")
     p.add_argument("--num-prompts", type=int, default=500, help="requests per simulated (or measured) rate")
@@ -117,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         return run_validation(args)
     from bench.simulator.capacity import curve, recommend_split
     from bench.simulator.sim import SimConfig
+    from bucket_manager.priority import PriorityPolicy
 
     try:
         cost = load_cost(args)
@@ -129,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
             slo_ttft_ms=args.slo_ttft_ms,
             slo_tpot_ms=args.slo_tpot_ms,
             request_buckets=not args.no_request_buckets,
+            policy=PriorityPolicy(online_order=args.online_order),
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

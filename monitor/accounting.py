@@ -107,6 +107,14 @@ def arrival_slot(priority_class: str, prompt_tokens: int) -> dict[str, float]:
     return {f"arr|{priority_class}": 1, f"arrtok|{priority_class}": float(prompt_tokens)}
 
 
+def transfer_totals(priority_class: str, nbytes: int, seconds: float) -> dict[str, float]:
+    """One acknowledged KV transfer, as the prefill worker reports it: bytes and latency."""
+    out: dict[str, float] = {}
+    _add(out, "kvbytes", nbytes)
+    _observe(out, "kv_transfer", priority_class, seconds)
+    return out
+
+
 def batch_totals(rec: BatchRecord) -> dict[str, float]:
     out: dict[str, float] = {}
     _observe(out, "batch_size", rec.role, rec.batch_size)

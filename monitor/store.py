@@ -145,6 +145,17 @@ class MonitorStore(ABC):
 
     # ------------------------------------------------------------ batches, buckets, totals
 
+    def add_transfer(self, priority_class: str, nbytes: int, seconds: float) -> None:
+        if priority_class not in PRIORITY_CLASSES:
+            raise ValueError(f"priority_class must be one of {PRIORITY_CLASSES}, got {priority_class!r}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+        if not (isinstance(seconds, int | float) and seconds >= 0):
+            raise ValueError(f"seconds must be a number >= 0, got {seconds!r}")
+        self._apply(
+            [HashOp(accounting.TOTALS_KEY, incr=accounting.transfer_totals(priority_class, nbytes, seconds))]
+        )
+
     def add_batch(self, rec: BatchRecord) -> None:
         self._apply([HashOp(accounting.TOTALS_KEY, incr=accounting.batch_totals(rec))])
 

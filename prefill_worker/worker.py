@@ -280,9 +280,11 @@ class PrefillWorker(EngineWorker):
                 with self._cond:
                     self._streamed += 1
             else:
-                self.transport.send(
+                result = self.transport.send(
                     address, rid, req.block_ids, req.num_computed_tokens, req.output_token_ids[0]
                 )
+            if self._monitor is not None:
+                self._monitor.record_transfer.remote(msg.priority_class, result.bytes, result.latency_s)
         except KVTransferError as e:
             handle.forget.remote(rid)
             if not self._aborted(rid):

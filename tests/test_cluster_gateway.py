@@ -258,3 +258,6 @@ def test_metrics_through_the_gateway_carry_the_cluster_families(served: Served) 
         # Filled by the cluster itself: prefill batches (size, padding) and the controller's request buckets.
         assert "bucketserve:batch_size_count" in samples
         assert "bucketserve:bucket_count" in samples
+        # Each acknowledged KV transfer, as the prefill worker reported it.
+        assert "bucketserve:kv_transfer_bytes_total" in samples
+        assert "bucketserve:kv_transfer_latency_seconds_count" in samples

@@ -222,6 +222,19 @@ def test_totals_histograms_and_batches(make_store: Any) -> None:
     assert store.totals()["h|ttft|online|7"] == 1
 
 
+def test_kv_transfers_reported_by_prefill_workers(make_store: Any) -> None:
+    store = make_store(FakeClock())
+    store.add_transfer("offline", 1 << 20, 0.004)
+    store.add_transfer("offline", 1 << 20, 0.006)
+    t = store.totals()
+    assert t["kvbytes"] == 2 << 20
+    assert t["hc|kv_transfer|offline"] == 2 and math.isclose(t["hs|kv_transfer|offline"], 0.010)
+    with pytest.raises(ValueError, match="priority_class"):
+        store.add_transfer("batch", 1, 0.1)
+    with pytest.raises(ValueError, match="nbytes"):
+        store.add_transfer("online", -1, 0.1)
+
+
 def test_memory_store_stays_bounded() -> None:
     clock = FakeClock()
     store = MemoryStore(MonitorConfig(retention_s=300.0, max_requests=50), clock=clock)

@@ -158,9 +158,11 @@ class KVReceiver:
                 raise KVTransferError(TransferStatus.TRUNCATED, str(e), info.request_id) from None
             raw = memoryview(payload).cast("B")
         with inb.cond:
-            if inb.closed:
-                raise KVTransferError(TransferStatus.ABORTED, "aborted", info.request_id)
-            inb.writers += 1
+            closed = inb.closed
+            if not closed:
+                inb.writers += 1
+        if closed:  # the lock of the reason is taken outside the request's condition
+            raise self._ended_error(info.request_id)
         crc: int | None = None
         try:
             crc = self._copy_in(inb, info, src, raw, checksum=fused)
@@ -174,6 +176,13 @@ class KVReceiver:
                 inb.cond.notify_all()
         if crc is not None and crc != info.crc32:
             self._bad_checksum(info)  # the blocks are freed, so what landed in them is never decoded
+
+    def _ended_error(self, request_id: str) -> KVTransferError:
+        """The error of a transfer closed while this stream was writing: its real reason (a checksum failure on
+        another stream stays retryable), ABORTED when none is known."""
+        with self.lock:
+            status, detail = self._ended.get(request_id, (TransferStatus.ABORTED, "aborted"))
+        return KVTransferError(status, detail, request_id)
 
     def _fused_copy(self, inb: _Inbound, payload) -> bool:
         return (

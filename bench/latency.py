@@ -14,15 +14,16 @@ import json
 import logging
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
+
+from bench.server_process import ServerProcess, free_port, wait_healthy
 
 
 def register(sub) -> None:
@@ -38,12 +39,6 @@ def register(sub) -> None:
     p.add_argument("--serve-args", default="", help="extra flags for bucketserve serve, e.g. '--skip-warmup'")
     p.add_argument("--json", action="store_true", help="print only the final JSON")
     p.set_defaults(func=run)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _one(c: httpx.AsyncClient, prompt: list[int], n: int) -> dict[str, float]:
@@ -98,7 +93,7 @@ async def _measure(base: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    port = args.port or _free_port()
+    port = args.port or free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [
         sys.executable,
@@ -113,34 +108,19 @@ def _run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         str(port),
     ]
     cmd += args.serve_args.split()
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
-    try:
-        healthy_s = None
-        with httpx.Client(timeout=5) as c:
-            while time.perf_counter() - t0 < args.startup_timeout_s:
-                if proc.poll() is not None:
-                    raise RuntimeError(
-                        f"bucketserve serve exited with {proc.returncode} before /health was 200"
-                    )
-                try:
-                    if c.get(f"{base}/health").status_code == 200:
-                        healthy_s = time.perf_counter() - t0
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
-        if healthy_s is None:
-            raise RuntimeError(f"/health not 200 within {args.startup_timeout_s}s")
-        result = {"mode": mode, "time_to_healthy_s": round(healthy_s, 1), **asyncio.run(_measure(base, args))}
-    finally:
-        t1 = time.perf_counter()
-        proc.send_signal(signal.SIGINT)  # what Ctrl-C does
+    with tempfile.TemporaryDirectory(prefix="bucketserve-latency-") as logs:
+        server = ServerProcess(cmd, {}, Path(logs) / "serve.log")
         try:
-            rc = proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
+            healthy_s = wait_healthy(base, server, args.startup_timeout_s, poll_s=0.2)
+            result = {
+                "mode": mode,
+                "time_to_healthy_s": round(healthy_s, 1),
+                **asyncio.run(_measure(base, args)),
+            }
+        finally:
+            t1 = time.perf_counter()
+            server.stop(grace_s=120.0)  # SIGINT first: what Ctrl-C does
+            rc = server.proc.returncode
     result["sigint_exit_code"] = rc
     result["shutdown_s"] = round(time.perf_counter() - t1, 1)
     return result

@@ -22,21 +22,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import shlex
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.server_process import ServerProcess, free_port, wait_healthy
 
 logger = logging.getLogger(__name__)
 
@@ -349,12 +346,6 @@ def write_sweep_report(out_dir: str | Path, doc: dict[str, Any]) -> dict[str, Pa
 # --------------------------------------------------------------------------- running systems
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def system_command(system: str, args: argparse.Namespace, port: int) -> tuple[list[str], dict[str, str]]:
     """The command line (and extra environment) that serves ``system`` on 127.0.0.1:``port``."""
     if system == "vllm":
@@ -387,88 +378,6 @@ def system_command(system: str, args: argparse.Namespace, port: int) -> tuple[li
     if system != "static":
         cmd += shlex.split(args.serve_args)
     return cmd, {}
-
-
-class ServerProcess:
-    """A server in its own process group (session); ``stop`` ends the group and any of its stragglers."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path) -> None:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **env},
-            cwd=str(Path(__file__).resolve().parents[1]),
-            start_new_session=True,
-        )
-        self.sid = self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log_tail(self, n: int = 2000) -> str:
-        with contextlib.suppress(OSError):
-            return self.log_path.read_bytes()[-n:].decode(errors="replace")
-        return ""
-
-    def _members(self) -> list[int]:
-        """Processes still in the server's session (it and everything it started, unless they left it)."""
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            # Fields after the command name (which may contain spaces): state ppid pgrp session ...
-            rest = stat[stat.rfind(")") + 2 :].split()
-            if int(rest[3]) == self.sid:
-                pids.append(int(entry.name))
-        return pids
-
-    def stop(self, grace_s: float = 45.0) -> list[int]:
-        """SIGINT (its clean shutdown) to the server, SIGKILL to its group when it is not done in ``grace_s``,
-        then SIGKILL to whatever of its session is left; returns the pids killed in that last sweep."""
-        # The server alone gets the SIGINT: its helpers (Ray's) must stay up while it shuts them down in order.
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.sid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-        # Give child processes a moment to follow their parent out, then kill the stragglers.
-        deadline = time.monotonic() + 10
-        left = self._members()
-        while left and time.monotonic() < deadline:
-            time.sleep(0.5)
-            left = self._members()
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self._log.close()
-        return left
-
-
-def wait_healthy(base_url: str, server: ServerProcess, timeout_s: float) -> float:
-    """Seconds until ``/health`` answers 200; raises RuntimeError when the process dies or time runs out."""
-    import httpx
-
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if not server.alive():
-            raise RuntimeError(f"exited with code {server.proc.returncode}: {server.log_tail(600)}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(base_url + "/health", timeout=5).status_code == 200:
-                return time.monotonic() - t0
-        time.sleep(1.0)
-    raise RuntimeError(f"not healthy after {timeout_s:.0f}s: {server.log_tail(600)}")
 
 
 def median_request(requests: list[Any]) -> Any:

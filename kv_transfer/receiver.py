@@ -145,7 +145,7 @@ class KVReceiver:
         raw: memoryview | None = None
         # Bytes copied straight into host blocks are checksummed as they land (a slice at a time, still
         # in the CPU's cache), which saves a pass over memory; other paths check before they copy.
-        fused = self._fused_copy(inb, payload)
+        fused = self.config.verify_checksums and self._direct(inb, not isinstance(payload, torch.Tensor))
         if isinstance(payload, torch.Tensor):
             src = payload.view(info.num_blocks, hs.sender_block_size, spec.num_kv_heads, spec.head_dim)
         else:
@@ -184,13 +184,9 @@ class KVReceiver:
             status, detail = self._ended.get(request_id, (TransferStatus.ABORTED, "aborted"))
         return KVTransferError(status, detail, request_id)
 
-    def _fused_copy(self, inb: _Inbound, payload) -> bool:
-        return (
-            self.config.verify_checksums
-            and not isinstance(payload, torch.Tensor)
-            and inb.slot_map is None
-            and self.cache.data.device.type == "cpu"
-        )
+    def _direct(self, inb: _Inbound, as_bytes: bool) -> bool:
+        """Whether a chunk is copied byte for byte into host blocks (no re-blocking, no device copy)."""
+        return as_bytes and inb.slot_map is None and self.cache.data.device.type == "cpu"
 
     def _bad_checksum(self, info: ChunkInfo) -> None:
         detail = f"chunk {info.seq} (layer {info.layer}) checksum mismatch"
@@ -209,7 +205,7 @@ class KVReceiver:
         as written (the caller compares it with the sender's)."""
         # src: [n, sender_block_size, KVH, D]; raw: the same bytes, when they came as bytes
         layer_kv = self.cache.data[info.layer, info.kv]  # [num_blocks + 1, block_size, KVH, D]
-        if inb.slot_map is None and raw is not None and layer_kv.device.type == "cpu":
+        if self._direct(inb, raw is not None):
             # A plain memcpy per run of blocks: torch's copy_ splits large copies over its intra-op
             # threads, which on a small shared host measured ~20x slower than one thread.
             ids = inb.block_ids[info.first_block : info.first_block + info.num_blocks]

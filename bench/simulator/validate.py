@@ -21,17 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from bench.server_process import ServerProcess, wait_healthy
 from bench.simulator.cost_model import CostModel
 from bench.simulator.sim import SimConfig, simulate
 
@@ -47,7 +44,7 @@ def _cli(*args: str) -> list[str]:
 
 def start_cluster(
     model: str, port: int, prefill: int, decode: int, log: Path, warmup: bool = False
-) -> subprocess.Popen:
+) -> ServerProcess:
     cmd = _cli(
         "serve",
         "--model",
@@ -66,39 +63,14 @@ def start_cluster(
         # On CPU, warm-up only runs each shape once (no graphs without --compile); the calibration ran without
         # it too, and warming 144 shapes of the small model takes minutes on a shared 2-core machine.
         cmd.append("--skip-warmup")
-    # Its own session, so stopping it reaches the Ray processes it started and nothing else.
-    proc = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
-    )
+    server = ServerProcess(cmd, {}, log)
     try:
-        deadline = time.monotonic() + HEALTH_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the cluster exited with {proc.returncode}; see {log}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
-                    return proc
-            except httpx.HTTPError:
-                pass
-            time.sleep(2.0)
-        raise RuntimeError(f"the cluster was not healthy within {HEALTH_TIMEOUT_S:.0f} s; see {log}")
+        wait_healthy(f"http://127.0.0.1:{port}", server, HEALTH_TIMEOUT_S, poll_s=2.0)
     except BaseException:
         # Interrupted or failed while starting: the caller has no handle yet, so stop it here.
-        stop_cluster(proc)
+        server.stop()
         raise
-
-
-def stop_cluster(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    pgid = os.getpgid(proc.pid)
-    for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-        os.killpg(pgid, sig)
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    return server
 
 
 def bench_point(
@@ -160,7 +132,7 @@ def _measure(
     """Start the cluster, run the idle probe and every rate, stop the cluster."""
     log = work / "serve.log"
     measured: dict[float, dict[str, Any]] = {}
-    proc = start_cluster(args.model, args.port, args.prefill_workers, args.decode_workers, log, args.warmup)
+    server = start_cluster(args.model, args.port, args.prefill_workers, args.decode_workers, log, args.warmup)
     try:
         # Idle probe: requests far apart, so each meets an empty cluster.
         probe = bench_point(args, PROBE_RATE, PROBE_PROMPTS, work / "probe", max_model_len)
@@ -173,7 +145,7 @@ def _measure(
             if not args.json:
                 print(f"measured {rate} req/s: attainment {measured[rate]['slo_attainment']}", flush=True)
     finally:
-        stop_cluster(proc)
+        server.stop(grace_s=30.0)
     return probe, measured
 
 

@@ -154,6 +154,8 @@ class BenchResult:
     duration_s: float
     request_rate: float | None = None
     burstiness: float | None = None
+    # CPU this client used while sending (a client on the server's machine competes for its cores)
+    client_cpu_s: float | None = None
 
     def summary(self) -> dict[str, Any]:
         """Aggregates over the run: throughput, SLO attainment, goodput, latency percentiles, failures."""
@@ -177,6 +179,7 @@ class BenchResult:
             "total_output_tokens": out_tokens,
             "slo_attainment": _round(len(met) / n) if n else None,
             "goodput_rps": _round(len(met) / dur),
+            "client_cpu_s": None if self.client_cpu_s is None else round(self.client_cpu_s, 3),
         }
         slos = {(o.slo_ttft_ms, o.slo_tpot_ms) for o in self.outcomes}
         if len(slos) == 1:
@@ -393,6 +396,7 @@ async def run_benchmark(
     # Collect now and move every surviving object out of the collector's view for the run.
     gc.collect()
     gc.freeze()
+    cpu0 = time.process_time()
     try:
         duration = await _drive(
             url, requests, outcomes, model, priority_format, extra_body, client_args, slots, bar
@@ -400,7 +404,11 @@ async def run_benchmark(
     finally:
         gc.unfreeze()
     return BenchResult(
-        outcomes=outcomes, duration_s=duration, request_rate=request_rate, burstiness=burstiness
+        outcomes=outcomes,
+        duration_s=duration,
+        request_rate=request_rate,
+        burstiness=burstiness,
+        client_cpu_s=time.process_time() - cpu0,
     )
 
 

@@ -168,6 +168,8 @@ def test_attainment_and_goodput_over_a_mix_of_fast_slow_and_failed(server):
     assert s["output_tok_per_s"] == pytest.approx(8 * 8 / result.duration_s, rel=1e-3)
     # The run lasts at least as long as the slowest request, which started 0.02 s * its index late.
     assert result.duration_s >= 0.40 + 7 * 0.06
+    # The client's own CPU over the run: some, and no more than both cores for the whole run.
+    assert 0 < s["client_cpu_s"] <= 2 * result.duration_s
     ttfts = sorted(o.ttft_s * 1e3 for o in result.outcomes if o.success)
     assert s["ttft_p50_ms"] == pytest.approx(percentile(ttfts, 50), abs=1e-3)
     assert s["ttft_p99_ms"] >= 400 and s["ttft_p50_ms"] < SLO_TTFT_MS

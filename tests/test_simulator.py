@@ -260,12 +260,32 @@ def test_validate_compares_measured_reports(tmp_path: Path, capsys: pytest.Captu
     point("probe", 1.0, 150.0, 30.0)
     point("rate_1", 0.9, 160.0, 32.0)
     point("rate_8", 0.2, 3000.0, 80.0)
+    calibration = {"slo_attainment": 0.5, "total_output_tokens": 20000, "client_cpu_s": 4.0, "failed": 0}
+    (runs / "calibration.json").write_text(json.dumps({"result": calibration}))
     argv = ["simulate", "--validate", "--calibration", str(cal), "--measured", str(runs)]
     argv += ["--rates", "1,8", "--num-prompts", "60", "--out", str(tmp_path / "v"), "--json"]
+    # No CPU measurement in the folder: refused, naming the file.
+    assert main(argv) == 2
+    assert "cpu.json" in capsys.readouterr().err
+    cpu = {
+        "idle_s": 10.0,
+        "idle_cpu_s": {"prefill": 0.1, "decode": 0.2, "colocated": 0.0, "host": 1.0},
+        "load_s": 20.0,
+        "load_cpu_s": {"prefill": 6.2, "decode": 20.4, "colocated": 0.0, "host": 12.0},
+        "cores": 2,
+    }
+    (runs / "cpu.json").write_text(json.dumps(cpu))
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["rate"] for r in doc["rows"]] == [1.0, 8.0]
-    assert doc["probe_overhead_ms"] > 0 and doc["probe_slowdown"] >= 1.0
+    assert doc["calibration_rate"] == 8.0  # the median of the rates
+    host = doc["host_model"]
+    # Idle background (0.13 cores) is taken off the cores; host CPU under load less its background, plus the
+    # client's, over the calibration's tokens.
+    assert host["cores"] == pytest.approx(2 - 0.13)
+    assert host["host_token_cpu_s"] == pytest.approx((12.0 - 0.1 * 20 + 4.0) / 20000)
+    assert host["prefill_cpu_factor"] >= 1.0 and host["decode_cpu_factor"] >= 1.0
+    assert doc["overhead_ms"] > 0 and doc["idle_probe_slowdown"] >= 1.0
     for r in doc["rows"]:
         expected = 100 * (r["simulated_attainment"] - r["measured_attainment"])
         assert r["error_points"] == pytest.approx(expected, abs=0.051)

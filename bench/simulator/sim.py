@@ -29,6 +29,7 @@ from typing import Any
 
 from bench.serve import BenchResult, RequestOutcome
 from bench.simulator.cost_model import CostModel
+from bench.simulator.host import HostModel, SharedCpu
 from bench.workloads import sample_arrivals, sample_lengths
 from bucket_manager.batch_plan import BatchPlan, plan_batch
 from bucket_manager.memory_budget import MemoryBudget, WorkerStats, blocks_for, choose_workers
@@ -56,6 +57,9 @@ class SimConfig:
     strategy: str = "exponential"
     # False: the DistServe-like baseline, one FCFS queue and no length buckets (N_max never reached).
     request_buckets: bool = True
+    # Host CPU contention (workers, gateway and client sharing a few cores); None: every worker has its own
+    # device and the host keeps up, as on an accelerator node.
+    host: HostModel | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -74,6 +78,8 @@ class SimRequest:
     first_token: float | None = None
     finish: float | None = None
     generated: int = 0
+    done: bool = False  # its last token is computed (it is stamped with ``finish`` once delivered)
+    first_sent: bool = False  # its first token is computed
     # colocated: tokens whose KV is in the cache (0 when waiting or preempted)
     computed: int = 0
     blocks: int = 0
@@ -204,7 +210,11 @@ class Simulator:
             "padded_prompt_tokens": 0,
             "real_prompt_tokens": 0,
             "preemptions": 0,
+            # seconds of calibrated engine time (before any host CPU factor), per role
+            "prefill_engine_s": 0.0,
+            "decode_engine_s": 0.0,
         }
+        self.cpu = SharedCpu(c.host.cores, lambda: self.now, self._at) if c.host is not None else None
         self.prefill = [_Prefill(f"prefill-{i}", cost.num_blocks) for i in range(c.prefill_workers)]
         self.decode = [_Decode(f"decode-{i}", cost.num_blocks) for i in range(c.decode_workers)]
         self.colocated = [
@@ -222,13 +232,51 @@ class Simulator:
         for i, ((inp, out), t) in enumerate(zip(lengths, arrivals, strict=True)):
             r = SimRequest(f"r{i}", inp, out, t)
             self.requests[r.rid] = r
-            # The request reaches the controller after the gateway's hop; its clock started at arrival.
-            self._at(t + self.cost.request_overhead_s, self._arrive, r)
+            if self.cpu is None:
+                # The request reaches the controller after the gateway's hop; its clock started at arrival.
+                self._at(t + self.cost.request_overhead_s, self._arrive, r)
+            else:
+                self._at(t, self._gateway, r)
         while self._events:
             t, _, fn, args = heapq.heappop(self._events)
             self.now = t
             fn(*args)
         return list(self.requests.values())
+
+    def _gateway(self, r: SimRequest) -> None:
+        """With host contention: the gateway's CPU work on the request, then its fixed hop."""
+        assert self.cpu is not None and self.config.host is not None
+        self.cpu.host(self.config.host.host_request_cpu_s, self._at_hop, r)
+
+    def _at_hop(self, r: SimRequest) -> None:
+        self._at(self.now + self.cost.request_overhead_s, self._arrive, r)
+
+    def _work(
+        self, key: tuple[str, str], role: str, engine_s: float, fn: Callable[..., None], *args: Any
+    ) -> None:
+        """Run ``engine_s`` of calibrated engine time on a worker: directly, or as CPU work on the shared host."""
+        self.stats[f"{role}_engine_s"] += engine_s
+        host = self.config.host
+        if self.cpu is None or host is None:
+            self._at(self.now + engine_s, fn, *args)
+            return
+        factor = host.prefill_cpu_factor if role == "prefill" else host.decode_cpu_factor
+        self.cpu.run(key, engine_s * factor, fn, *args)
+
+    def _emit(self, tokens: int, first: list[SimRequest], finished: list[SimRequest]) -> None:
+        """Tokens leave a worker: the client sees them once the host has streamed them (at once without host
+        contention), plus the fixed per-token latency."""
+        if self.cpu is None or self.config.host is None:
+            self._stamp(first, finished)
+        else:
+            self.cpu.host(tokens * self.config.host.host_token_cpu_s, self._stamp, first, finished)
+
+    def _stamp(self, first: list[SimRequest], finished: list[SimRequest]) -> None:
+        t = self.now + self.cost.token_overhead_s
+        for r in first:
+            r.first_token = t
+        for r in finished:
+            r.finish = t
 
     def _arrive(self, r: SimRequest) -> None:
         if self.config.mode == "colocated":
@@ -315,23 +363,35 @@ class Simulator:
         self.stats["prefill_batches"] += 1
         self.stats["real_prompt_tokens"] += plan.real_tokens
         self.stats["padded_prompt_tokens"] += b * q - plan.real_tokens
-        self._at(self.now + self.cost.prefill_s(b, q), self._prefill_done, p, batch_id, plan, did)
+        self._work(
+            ("prefill", p.wid),
+            "prefill",
+            self.cost.prefill_s(b, q),
+            self._prefill_done,
+            p,
+            batch_id,
+            plan,
+            did,
+        )
 
     def _prefill_done(self, p: _Prefill, batch_id: int, plan: BatchPlan, did: str) -> None:
         p.busy = False
-        first = self.now + self.cost.token_overhead_s
         sends = []
+        firsts, finished = [], []
         for rid in plan.request_ids:
             r = self.requests[rid]
-            r.first_token = first
+            firsts.append(r)
+            r.first_sent = True
             r.generated = 1
             if r.output_len <= 1:
                 # Done at its first token: nothing to send, so it does not hold the batch back.
-                r.finish = first
+                r.done = True
+                finished.append(r)
                 self._release(r, did)
                 p.unsent[batch_id].discard(rid)
             else:
                 sends.append(r)
+        self._emit(len(firsts), firsts, finished)
         # The senders move each request's KV one after the other over the worker's link, overlapping the next
         # batch's compute.
         t = max(self.now, p.link_free_at)
@@ -379,21 +439,22 @@ class Simulator:
         b, n = (shape[0], shape[2]) if shape is not None else (len(batch), blocks)
         d.busy = True
         self.stats["decode_steps"] += 1
-        self._at(self.now + self.cost.decode_s(b, n), self._decode_done, d, batch)
+        self._work(("decode", d.wid), "decode", self.cost.decode_s(b, n), self._decode_done, d, batch)
 
     def _decode_done(self, d: _Decode, batch: list[SimRequest]) -> None:
         d.busy = False
-        t = self.now + self.cost.token_overhead_s
-        finished = False
+        ended = []
         for r in batch:
             r.generated += 1
             if r.generated >= r.output_len or r.num_tokens >= self.cost.max_model_len:
-                r.finish = t
-                finished = True
+                r.done = True
+                ended.append(r)
+        self._emit(len(batch), [], ended)
+        finished = bool(ended)
         if finished:
             keep = []
             for r in d.running:
-                if r.finish is None:
+                if not r.done:
                     keep.append(r)
                 else:
                     self._release(r, d.wid)
@@ -452,7 +513,14 @@ class Simulator:
             shape = self.shapes.find_prompt(len(reqs), q, 0)
             b, qq = (shape[0], shape[1]) if shape is not None else (len(reqs), q)
             self.stats["prefill_batches"] += 1
-            self._at(self.now + self.cost.prefill_s(b, qq), self._colocated_prefill_done, w, reqs)
+            self._work(
+                ("colocated", w.wid),
+                "prefill",
+                self.cost.prefill_s(b, qq),
+                self._colocated_prefill_done,
+                w,
+                reqs,
+            )
             return
         for rid in step.preempt_ids:
             r = by_id[rid]
@@ -471,38 +539,48 @@ class Simulator:
         shape = self.shapes.find_decode(len(batch), blocks)
         b, n = (shape[0], shape[2]) if shape is not None else (len(batch), blocks)
         self.stats["decode_steps"] += 1
-        self._at(self.now + self.cost.decode_s(b, n), self._colocated_decode_done, w, batch)
+        self._work(
+            ("colocated", w.wid), "decode", self.cost.decode_s(b, n), self._colocated_decode_done, w, batch
+        )
 
     def _colocated_prefill_done(self, w: _Colocated, reqs: list[SimRequest]) -> None:
         w.busy = False
-        t = self.now + self.cost.token_overhead_s
+        firsts, ended = [], []
         for r in reqs:
             r.computed = r.num_tokens
             r.generated += 1
-            if r.first_token is None:
-                r.first_token = t
-            self._colocated_after_token(w, r, t, prefilled=True)
+            if not r.first_sent:
+                r.first_sent = True
+                firsts.append(r)
+            if self._colocated_after_token(w, r, prefilled=True):
+                ended.append(r)
+        self._emit(len(reqs), firsts, ended)
         self._colocated_kick(w)
 
     def _colocated_decode_done(self, w: _Colocated, batch: list[SimRequest]) -> None:
         w.busy = False
-        t = self.now + self.cost.token_overhead_s
+        ended = []
         for r in batch:
             r.computed = r.num_tokens
             r.generated += 1
-            self._colocated_after_token(w, r, t, prefilled=False)
+            if self._colocated_after_token(w, r, prefilled=False):
+                ended.append(r)
+        self._emit(len(batch), [], ended)
         self._colocated_kick(w)
 
-    def _colocated_after_token(self, w: _Colocated, r: SimRequest, t: float, prefilled: bool) -> None:
+    def _colocated_after_token(self, w: _Colocated, r: SimRequest, prefilled: bool) -> bool:
+        """True when ``r`` ended with this token."""
         if r.generated >= r.output_len or r.num_tokens >= self.cost.max_model_len:
-            r.finish = t
+            r.done = True
             if r in w.running:
                 w.running.remove(r)
             w.free_blocks += r.blocks
             r.blocks = 0
             w.in_flight -= 1
-        elif prefilled:
+            return True
+        if prefilled:
             w.running.append(r)
+        return False
 
 
 # ---------------------------------------------------------------------------- runs and sweeps

@@ -5,15 +5,23 @@ waits for ``/health``, runs ``bucketserve bench serve`` at each rate (same workl
 length limits as the simulation), stops the cluster, and simulates the same requests with the calibration. It
 reports, per rate, both attainments and their difference in points.
 
-Fixed latencies of the serving path (gateway, Ray hops, streaming) are not part of the engine calibration, and
-on a shared machine the workers' steps run slower than the engine did alone. Before the sweep, a few requests
-are sent far apart to the idle cluster (the probe): the ratio of measured to simulated idle TPOT scales every
-engine cost (the slowdown), and the idle TTFT left over after the slowed prefill is taken as the per-request
-overhead. The simulation is reported with these ("simulated") and without them ("engine only"). The probe
-says nothing about behaviour under load, which is what the comparison tests.
+What the engine calibration does not know is measured on the running cluster before the rates, with other
+requests than the ones compared (seed + 1):
 
-``--measured DIR`` re-analyses the bench reports of an earlier run (``probe.json``, ``rate_<R>.json`` with the
-rate's dot written ``_``).
+* host contention (:mod:`bench.simulator.host`): the cluster's processes are read from ``/proc`` while idle
+  (background CPU of Ray and the gateway, taken off the cores) and under a calibration load at
+  ``--calibration-rate``: the CPU the host side (gateway, proxy, controller, Ray, and the client's own
+  ``client_cpu_s``) spends per streamed token, and each worker's CPU per second of simulated engine time
+  (found by fixed point: the simulation of the calibration load says how much engine time it ran);
+* fixed latency of the serving path: a few requests far apart (the probe); their median TTFT left over once
+  the simulated idle TTFT is counted is the per-request overhead.
+
+Three simulations are reported: "simulated" (contention model + overhead), "idle probe" (the earlier method:
+every engine cost scaled by the ratio of measured to simulated idle TPOT, plus the overhead; it knows nothing
+of load) and "engine only" (the bare calibration).
+
+``--measured DIR`` re-analyses the bench reports of an earlier run (``probe.json``, ``calibration.json``,
+``cpu.json``, ``rate_<R>.json`` with the rate's dot written ``_``).
 """
 
 from __future__ import annotations
@@ -24,18 +32,23 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
+import time
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from bench.server_process import ServerProcess, wait_healthy
 from bench.simulator.cost_model import CostModel
+from bench.simulator.host import HostModel
+from bench.simulator.proc_cpu import cluster_cpu, process_cpu
 from bench.simulator.sim import SimConfig, simulate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HEALTH_TIMEOUT_S = 600.0
 PROBE_PROMPTS = 4
 PROBE_RATE = 0.2
+IDLE_S = 10.0  # idle window for the cluster's background CPU
+FIXED_POINT_ROUNDS = 4
 
 
 def _cli(*args: str) -> list[str]:
@@ -74,7 +87,7 @@ def start_cluster(
 
 
 def bench_point(
-    args: argparse.Namespace, rate: float, num: int, out: Path, max_model_len: int
+    args: argparse.Namespace, rate: float, num: int, out: Path, max_model_len: int, seed: int | None = None
 ) -> dict[str, Any]:
     cmd = _cli(
         "bench",
@@ -90,7 +103,7 @@ def bench_point(
         "--num-prompts",
         str(num),
         "--seed",
-        str(args.seed),
+        str(args.seed if seed is None else seed),
         "--slo-ttft-ms",
         str(args.slo_ttft_ms),
         "--slo-tpot-ms",
@@ -128,8 +141,8 @@ def _read_point(path: Path) -> dict[str, Any]:
 
 def _measure(
     args: argparse.Namespace, work: Path, max_model_len: int
-) -> tuple[dict[str, Any], dict[float, dict[str, Any]]]:
-    """Start the cluster, run the idle probe and every rate, stop the cluster."""
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[float, dict[str, Any]]]:
+    """Start the cluster, run the idle probe, the CPU calibration load and every rate, stop the cluster."""
     log = work / "serve.log"
     measured: dict[float, dict[str, Any]] = {}
     server = start_cluster(args.model, args.port, args.prefill_workers, args.decode_workers, log, args.warmup)
@@ -138,6 +151,23 @@ def _measure(
         probe = bench_point(args, PROBE_RATE, PROBE_PROMPTS, work / "probe", max_model_len)
         if probe["failed"]:
             raise RuntimeError(f"the idle probe failed on the cluster: {probe['errors']}; see {work}")
+        # Background CPU of the idle cluster, then the CPU of a calibration load (other requests: seed + 1).
+        pid = server.proc.pid
+        t0, a = time.monotonic(), process_cpu(pid)
+        time.sleep(IDLE_S)
+        t1, b = time.monotonic(), process_cpu(pid)
+        calibration = bench_point(
+            args, args.calibration_rate, args.num_prompts, work / "calibration", max_model_len, args.seed + 1
+        )
+        t2, c = time.monotonic(), process_cpu(pid)
+        cpu = {
+            "idle_s": round(t1 - t0, 3),
+            "idle_cpu_s": cluster_cpu(a, b),
+            "load_s": round(t2 - t1, 3),
+            "load_cpu_s": cluster_cpu(b, c),
+            "cores": len(os.sched_getaffinity(0)),
+        }
+        (work / "cpu.json").write_text(json.dumps(cpu, indent=1))
         for rate in args.rates:
             measured[rate] = bench_point(
                 args, rate, args.num_prompts, work / _point_name(rate), max_model_len
@@ -146,17 +176,62 @@ def _measure(
                 print(f"measured {rate} req/s: attainment {measured[rate]['slo_attainment']}", flush=True)
     finally:
         server.stop(grace_s=30.0)
-    return probe, measured
+    return probe, calibration, cpu, measured
+
+
+def fit_host(
+    base: SimConfig, cpu: dict[str, Any], calibration: dict[str, Any], args: argparse.Namespace, **kw: Any
+) -> HostModel:
+    """The host model from the measured CPU of the calibration load (see the module docstring)."""
+    idle = {k: v / cpu["idle_s"] for k, v in cpu["idle_cpu_s"].items()}  # CPU seconds per second, per role
+    load = {k: max(0.0, v - idle[k] * cpu["load_s"]) for k, v in cpu["load_cpu_s"].items()}
+    # The background keeps running under load: what is left of the cores is what the simulation shares.
+    cores = max(0.5, cpu["cores"] - sum(idle.values()))
+    tokens = max(1, calibration["total_output_tokens"])
+    host_cpu = load["host"] + (calibration.get("client_cpu_s") or 0.0)
+    host = HostModel(cores=cores, host_token_cpu_s=host_cpu / tokens)
+    for _ in range(FIXED_POINT_ROUNDS):
+        sim = simulate(
+            replace(base, host=host),
+            args.workload,
+            args.calibration_rate,
+            args.num_prompts,
+            args.seed + 1,
+            **kw,
+        ).summary()
+        host = replace(
+            host,
+            prefill_cpu_factor=max(1.0, load["prefill"] / max(sim["prefill_engine_s"], 1e-9)),
+            decode_cpu_factor=max(1.0, load["decode"] / max(sim["decode_engine_s"], 1e-9)),
+        )
+    return replace(
+        host,
+        source=(
+            f"measured on the running cluster: {cpu['cores']} cores less {sum(idle.values()):.2f} of idle "
+            f"background; calibration load of {args.num_prompts} requests at {args.calibration_rate} req/s "
+            f"(seed {args.seed + 1}): host {host_cpu:.2f} CPU s over {tokens} tokens, prefill worker "
+            f"{load['prefill']:.2f} CPU s, decode worker {load['decode']:.2f} CPU s"
+        ),
+    )
 
 
 def run_validation(args: argparse.Namespace) -> int:
     from bench.report import write_report
     from gateway.commands.simulate import load_cost
 
+    if args.calibration_rate is None:
+        rates = sorted(args.rates)
+        args = argparse.Namespace(**{**vars(args), "calibration_rate": rates[len(rates) // 2]})
+    if args.calibration_rate <= 0:
+        print(f"error: --calibration-rate must be > 0, got {args.calibration_rate}", file=sys.stderr)
+        return 2
     try:
         cost: CostModel = load_cost(args)
         if args.measured:
-            _read_point(Path(args.measured) / "probe.json")
+            for name in ("probe.json", "calibration.json"):
+                _read_point(Path(args.measured) / name)
+            if not (Path(args.measured) / "cpu.json").is_file():
+                raise FileNotFoundError(f"no CPU measurement at {Path(args.measured) / 'cpu.json'}")
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -172,30 +247,40 @@ def run_validation(args: argparse.Namespace) -> int:
         # Re-analyse an earlier run: its bench serve reports are read back, nothing is started.
         work = Path(args.measured)
         probe = _read_point(work / "probe.json")
+        calibration = _read_point(work / "calibration.json")
+        cpu = json.loads((work / "cpu.json").read_text())
         measured = {rate: _read_point(work / f"{_point_name(rate)}.json") for rate in args.rates}
     else:
         work = Path(tempfile.mkdtemp(prefix="bucketserve-validate-"))
-        probe, measured = _measure(args, work, cost.max_model_len)
-    # The idle probe sets two figures, nothing about load: the slowdown of the engine's steps in the running
-    # cluster (ratio of idle TPOTs; other processes share the cores) and then the fixed latency of the serving
-    # path (idle TTFT left over once the slowed prefill is counted).
-    sim_probe = simulate(base, args.workload, PROBE_RATE, PROBE_PROMPTS, args.seed, **kw).summary()
-    slowdown = max(1.0, (probe["tpot_p50_ms"] or 0.0) / (sim_probe["tpot_p50_ms"] or 1.0))
+        probe, calibration, cpu, measured = _measure(args, work, cost.max_model_len)
+    host = fit_host(base, cpu, calibration, args, **kw)
+    contended = replace(base, host=host)
+    # The idle probe then sets the fixed latency of the serving path: idle TTFT left over once the simulated
+    # one (with the host model) is counted.
+    sim_probe = simulate(contended, args.workload, PROBE_RATE, PROBE_PROMPTS, args.seed, **kw).summary()
+    overhead_s = max(0.0, ((probe["ttft_p50_ms"] or 0.0) - (sim_probe["ttft_p50_ms"] or 0.0)) / 1e3)
+    adjusted = replace(contended, cost=cost.with_overheads(overhead_s, 0.0))
+    # The earlier method, for comparison: one slowdown from the idle TPOTs and an overhead from the idle TTFT.
+    sim_bare_probe = simulate(base, args.workload, PROBE_RATE, PROBE_PROMPTS, args.seed, **kw).summary()
+    slowdown = max(1.0, (probe["tpot_p50_ms"] or 0.0) / (sim_bare_probe["tpot_p50_ms"] or 1.0))
     slowed = replace(base, cost=cost.with_slowdown(slowdown))
     sim_slowed = simulate(slowed, args.workload, PROBE_RATE, PROBE_PROMPTS, args.seed, **kw).summary()
-    overhead_s = max(0.0, ((probe["ttft_p50_ms"] or 0.0) - (sim_slowed["ttft_p50_ms"] or 0.0)) / 1e3)
-    adjusted = replace(slowed, cost=slowed.cost.with_overheads(overhead_s, 0.0))
+    probe_overhead_s = max(0.0, ((probe["ttft_p50_ms"] or 0.0) - (sim_slowed["ttft_p50_ms"] or 0.0)) / 1e3)
+    idle_probe = replace(slowed, cost=slowed.cost.with_overheads(probe_overhead_s, 0.0))
     rows = []
     for rate in args.rates:
         m = measured[rate]
         raw = simulate(base, args.workload, rate, args.num_prompts, args.seed, **kw).summary()
         adj = simulate(adjusted, args.workload, rate, args.num_prompts, args.seed, **kw).summary()
+        old = simulate(idle_probe, args.workload, rate, args.num_prompts, args.seed, **kw).summary()
         rows.append(
             {
                 "rate": rate,
                 "measured_attainment": m["slo_attainment"],
                 "simulated_attainment": adj["slo_attainment"],
                 "error_points": round(100 * (adj["slo_attainment"] - m["slo_attainment"]), 1),
+                "simulated_idle_probe": old["slo_attainment"],
+                "error_points_idle_probe": round(100 * (old["slo_attainment"] - m["slo_attainment"]), 1),
                 "simulated_engine_only": raw["slo_attainment"],
                 "error_points_engine_only": round(100 * (raw["slo_attainment"] - m["slo_attainment"]), 1),
                 "measured_ttft_p50_ms": m["ttft_p50_ms"],
@@ -216,18 +301,36 @@ def run_validation(args: argparse.Namespace) -> int:
         "slo_tpot_ms": args.slo_tpot_ms,
         "workers": {"prefill": args.prefill_workers, "decode": args.decode_workers},
         "measured_in": str(work),
-        "probe_overhead_ms": round(overhead_s * 1e3, 1),
-        "probe_slowdown": round(slowdown, 3),
+        "calibration_rate": args.calibration_rate,
+        "host_model": asdict(host),
+        "cpu": cpu,
+        "calibration_measured_attainment": calibration["slo_attainment"],
+        "calibration_simulated_attainment": simulate(
+            adjusted, args.workload, args.calibration_rate, args.num_prompts, args.seed + 1, **kw
+        ).summary()["slo_attainment"],
+        "overhead_ms": round(overhead_s * 1e3, 1),
         "probe_measured_tpot_p50_ms": probe["tpot_p50_ms"],
         "probe_simulated_tpot_p50_ms": sim_probe["tpot_p50_ms"],
         "probe_measured_ttft_p50_ms": probe["ttft_p50_ms"],
         "probe_simulated_ttft_p50_ms": sim_probe["ttft_p50_ms"],
+        "idle_probe_slowdown": round(slowdown, 3),
+        "idle_probe_overhead_ms": round(probe_overhead_s * 1e3, 1),
         "rows": rows,
         "max_abs_error_points": max(abs(r["error_points"]) for r in rows),
+        "max_abs_error_points_idle_probe": max(abs(r["error_points_idle_probe"]) for r in rows),
         "max_abs_error_points_engine_only": max(abs(r["error_points_engine_only"]) for r in rows),
     }
     table = [
-        ("rate", "measured", "simulated", "error (points)", "engine only", "TTFT p50 m/s", "TPOT p50 m/s")
+        (
+            "rate",
+            "measured",
+            "simulated",
+            "error (points)",
+            "idle probe",
+            "engine only",
+            "TTFT p50 m/s",
+            "TPOT p50 m/s",
+        )
     ]
     for r in rows:
         table.append(
@@ -236,6 +339,7 @@ def run_validation(args: argparse.Namespace) -> int:
                 str(r["measured_attainment"]),
                 str(r["simulated_attainment"]),
                 str(r["error_points"]),
+                str(r["simulated_idle_probe"]),
                 str(r["simulated_engine_only"]),
                 f"{r['measured_ttft_p50_ms']} / {r['simulated_ttft_p50_ms']}",
                 f"{r['measured_tpot_p50_ms']} / {r['simulated_tpot_p50_ms']}",

@@ -79,6 +79,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8765, help="--validate: the cluster's port")
     p.add_argument("--warmup", action="store_true", help="--validate: warm the cluster's shapes up first")
     p.add_argument(
+        "--calibration-rate",
+        type=float,
+        default=None,
+        help="--validate: req/s of the CPU calibration load (other requests: seed + 1; default: the median rate)",
+    )
+    p.add_argument(
         "--measured",
         default=None,
         help="--validate: re-analyse the bench reports in this folder, run nothing",

@@ -258,6 +258,16 @@ def test_validate_compares_measured_reports(tmp_path: Path, capsys: pytest.Captu
         (runs / f"{name}.json").write_text(json.dumps(doc))
 
     point("probe", 1.0, 150.0, 30.0)
+    # The probe's requests, as bench serve writes them: the simulated lengths, 40 ms slower than simulated
+    # (the first one far slower: it is left out).
+    from bench.simulator.validate import PROBE_PROMPTS, PROBE_RATE
+
+    probe_sim = simulate(config(slo_ttft_ms=500.0, slo_tpot_ms=50.0), "mixed", PROBE_RATE, PROBE_PROMPTS, 0)
+    with (runs / "probe.requests.jsonl").open("w") as f:
+        for i, r in enumerate(probe_sim.requests):
+            ttft_ms = 1e3 * (r.first_token - r.arrival) + (900.0 if i == 0 else 40.0)
+            row = {"request_id": f"bench-{i}", "input_len": r.prompt_len, "success": True, "ttft_ms": ttft_ms}
+            f.write(json.dumps(row) + "\n")
     point("rate_1", 0.9, 160.0, 32.0)
     point("rate_8", 0.2, 3000.0, 80.0)
     calibration = {"slo_attainment": 0.5, "total_output_tokens": 20000, "client_cpu_s": 4.0, "failed": 0}
@@ -285,7 +295,9 @@ def test_validate_compares_measured_reports(tmp_path: Path, capsys: pytest.Captu
     assert host["cores"] == pytest.approx(2 - 0.13)
     assert host["host_token_cpu_s"] == pytest.approx((12.0 - 0.1 * 20 + 4.0) / 20000)
     assert host["prefill_cpu_factor"] >= 1.0 and host["decode_cpu_factor"] >= 1.0
-    assert doc["overhead_ms"] > 0 and doc["idle_probe_slowdown"] >= 1.0
+    # The host model slows the idle probe a little at most (idle: no contention), so the overhead is the 40 ms.
+    assert doc["overhead_ms"] == pytest.approx(40.0, abs=5.0)
+    assert doc["idle_probe_slowdown"] >= 1.0
     for r in doc["rows"]:
         expected = 100 * (r["simulated_attainment"] - r["measured_attainment"])
         assert r["error_points"] == pytest.approx(expected, abs=0.051)

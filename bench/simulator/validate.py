@@ -13,8 +13,8 @@ requests than the ones compared (seed + 1):
   ``--calibration-rate``: the CPU the host side (gateway, proxy, controller, Ray, and the client's own
   ``client_cpu_s``) spends per streamed token, and each worker's CPU per second of simulated engine time
   (found by fixed point: the simulation of the calibration load says how much engine time it ran);
-* fixed latency of the serving path: a few requests far apart (the probe); their median TTFT left over once
-  the simulated idle TTFT is counted is the per-request overhead.
+* fixed latency of the serving path: a few requests far apart (the probe); the median over its requests
+  (but the first, which meets cold code paths) of measured less simulated TTFT is the per-request overhead.
 
 Three simulations are reported: "simulated" (contention model + overhead), "idle probe" (the earlier method:
 every engine cost scaled by the ratio of measured to simulated idle TPOT, plus the overhead; it knows nothing
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,11 +43,12 @@ from bench.simulator.cost_model import CostModel
 from bench.simulator.host import HostModel
 from bench.simulator.proc_cpu import cluster_cpu, process_cpu
 from bench.simulator.sim import SimConfig, simulate
+from bucket_manager.priority import PriorityPolicy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HEALTH_TIMEOUT_S = 600.0
-PROBE_PROMPTS = 4
-PROBE_RATE = 0.2
+PROBE_PROMPTS = 9
+PROBE_RATE = 0.25
 IDLE_S = 10.0  # idle window for the cluster's background CPU
 FIXED_POINT_ROUNDS = 4
 
@@ -56,7 +58,13 @@ def _cli(*args: str) -> list[str]:
 
 
 def start_cluster(
-    model: str, port: int, prefill: int, decode: int, log: Path, warmup: bool = False
+    model: str,
+    port: int,
+    prefill: int,
+    decode: int,
+    log: Path,
+    warmup: bool = False,
+    online_order: str = "arrival",
 ) -> ServerProcess:
     cmd = _cli(
         "serve",
@@ -68,6 +76,8 @@ def start_cluster(
         str(prefill),
         "--decode-workers",
         str(decode),
+        "--online-order",
+        online_order,
         # The name the benchmark client sends (the server would otherwise name an alias by what it stands for).
         "--served-model-name",
         model,
@@ -145,7 +155,9 @@ def _measure(
     """Start the cluster, run the idle probe, the CPU calibration load and every rate, stop the cluster."""
     log = work / "serve.log"
     measured: dict[float, dict[str, Any]] = {}
-    server = start_cluster(args.model, args.port, args.prefill_workers, args.decode_workers, log, args.warmup)
+    server = start_cluster(
+        args.model, args.port, args.prefill_workers, args.decode_workers, log, args.warmup, args.online_order
+    )
     try:
         # Idle probe: requests far apart, so each meets an empty cluster.
         probe = bench_point(args, PROBE_RATE, PROBE_PROMPTS, work / "probe", max_model_len)
@@ -177,6 +189,24 @@ def _measure(
     finally:
         server.stop(grace_s=30.0)
     return probe, calibration, cpu, measured
+
+
+def idle_overhead_s(work: Path, config: SimConfig, args: argparse.Namespace, **kw: Any) -> float:
+    """Median over the probe's requests, the first left out, of measured less simulated TTFT (seconds)."""
+    path = work / "probe.requests.jsonl"
+    measured = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    sim = simulate(config, args.workload, PROBE_RATE, PROBE_PROMPTS, args.seed, **kw)
+    diffs = []
+    # Same workload, seed and count: the client sent the simulated requests in the same order.
+    for i, (m, r) in enumerate(zip(measured, sim.requests, strict=True)):
+        if m["input_len"] != r.prompt_len:
+            raise ValueError(
+                f"{path}: request {i} has {m['input_len']} prompt tokens, the simulation {r.prompt_len}"
+            )
+        if i == 0 or not m.get("success") or m.get("ttft_ms") is None or r.first_token is None:
+            continue
+        diffs.append(m["ttft_ms"] / 1e3 - (r.first_token - r.arrival))
+    return max(0.0, statistics.median(diffs)) if diffs else 0.0
 
 
 def fit_host(
@@ -241,6 +271,8 @@ def run_validation(args: argparse.Namespace) -> int:
         decode_workers=args.decode_workers,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
+        # The same online order the cluster was started with.
+        policy=PriorityPolicy(online_order=args.online_order),
     )
     kw = {"max_output_len": args.max_output_len}
     if args.measured:
@@ -257,9 +289,13 @@ def run_validation(args: argparse.Namespace) -> int:
     contended = replace(base, host=host)
     # The idle probe then sets the fixed latency of the serving path: idle TTFT left over once the simulated
     # one (with the host model) is counted.
-    sim_probe = simulate(contended, args.workload, PROBE_RATE, PROBE_PROMPTS, args.seed, **kw).summary()
-    overhead_s = max(0.0, ((probe["ttft_p50_ms"] or 0.0) - (sim_probe["ttft_p50_ms"] or 0.0)) / 1e3)
+    try:
+        overhead_s = idle_overhead_s(work, contended, args, **kw)
+    except (OSError, ValueError) as e:
+        print(f"error: the probe's requests: {e}", file=sys.stderr)
+        return 2
     adjusted = replace(contended, cost=cost.with_overheads(overhead_s, 0.0))
+    sim_probe = simulate(adjusted, args.workload, PROBE_RATE, PROBE_PROMPTS, args.seed, **kw).summary()
     # The earlier method, for comparison: one slowdown from the idle TPOTs and an overhead from the idle TTFT.
     sim_bare_probe = simulate(base, args.workload, PROBE_RATE, PROBE_PROMPTS, args.seed, **kw).summary()
     slowdown = max(1.0, (probe["tpot_p50_ms"] or 0.0) / (sim_bare_probe["tpot_p50_ms"] or 1.0))
@@ -300,6 +336,7 @@ def run_validation(args: argparse.Namespace) -> int:
         "slo_ttft_ms": args.slo_ttft_ms,
         "slo_tpot_ms": args.slo_tpot_ms,
         "workers": {"prefill": args.prefill_workers, "decode": args.decode_workers},
+        "online_order": args.online_order,
         "measured_in": str(work),
         "calibration_rate": args.calibration_rate,
         "host_model": asdict(host),

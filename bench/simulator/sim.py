@@ -30,6 +30,7 @@ from typing import Any
 from bench.serve import BenchResult, RequestOutcome
 from bench.simulator.cost_model import CostModel
 from bench.simulator.host import HostModel, SharedCpu
+from bench.sweep import rate_at_target
 from bench.workloads import sample_arrivals, sample_lengths
 from bucket_manager.batch_plan import BatchPlan, plan_batch
 from bucket_manager.memory_budget import MemoryBudget, WorkerStats, blocks_for, choose_workers
@@ -612,15 +613,7 @@ def sweep(
 
 
 def max_rate_at(rows: list[dict[str, Any]], target: float = 0.8) -> float | None:
-    """The highest rate with attainment >= ``target``, linearly interpolated between swept rates."""
-    best = None
-    pts = sorted((float(r["request_rate"]), r["slo_attainment"] or 0.0) for r in rows)
-    for i, (rate, att) in enumerate(pts):
-        if att >= target:
-            best = rate
-            if i + 1 < len(pts) and pts[i + 1][1] < target:
-                r2, a2 = pts[i + 1]
-                best = rate + (r2 - rate) * (att - target) / (att - a2)
-        elif best is not None:
-            break
-    return best
+    """The highest rate with attainment >= ``target`` by ``bench sweep``'s definition (:func:`rate_at_target`:
+    the highest swept rate meeting it, interpolated towards the next swept rate); None when no rate meets it."""
+    found = rate_at_target([(float(r["request_rate"]), r["slo_attainment"]) for r in rows], target)
+    return found.rate if found.kind in ("interpolated", "at_least") else None

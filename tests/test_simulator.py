@@ -225,7 +225,10 @@ def test_recommend_split_and_max_rate() -> None:
     rows = [{"request_rate": 1, "slo_attainment": 1.0}, {"request_rate": 3, "slo_attainment": 0.6}]
     assert max_rate_at(rows, 0.8) == pytest.approx(2.0)
     # A curve that dips and recovers: the highest rate meeting the target counts, as in bench sweep's report.
-    bumpy = rows[:1] + [{"request_rate": 2, "slo_attainment": 0.7}, {"request_rate": 4, "slo_attainment": 0.9}]
+    bumpy = rows[:1] + [
+        {"request_rate": 2, "slo_attainment": 0.7},
+        {"request_rate": 4, "slo_attainment": 0.9},
+    ]
     assert max_rate_at(bumpy + [{"request_rate": 6, "slo_attainment": 0.5}], 0.8) == pytest.approx(4.5)
     assert max_rate_at(bumpy, 0.8) == 4.0
     assert max_rate_at([{"request_rate": 1, "slo_attainment": 0.5}], 0.8) is None

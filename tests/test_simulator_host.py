@@ -92,22 +92,19 @@ def test_free_host_changes_nothing_and_contention_lowers_attainment() -> None:
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="per-process CPU is read from Linux /proc")
 def test_process_cpu_attributes_a_busy_child_by_its_actor_name() -> None:
-    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
+    # Each child burns 0.6 s of CPU, then stays alive 2 s so that the reading below catches it.
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\ntime.sleep(2)\n"
     before = process_cpu(os.getpid())
     # A child named like a Ray worker process that hosts a decode actor, and one that is not a worker.
     named = subprocess.Popen(
         ["bash", "-c", f'exec -a "ray::DecodeWorker.step" {sys.executable} -c "$0"', burn]
     )
-    plain = subprocess.Popen([sys.executable, "-c", burn + "import time; time.sleep(0.5)"])
+    plain = subprocess.Popen([sys.executable, "-c", burn])
     deadline = time.monotonic() + 30
-    while named.poll() is None and time.monotonic() < deadline:
+    after = process_cpu(os.getpid())
+    while time.monotonic() < deadline:
         after = process_cpu(os.getpid())
-        if (
-            named.pid in after
-            and plain.pid in after
-            and after[named.pid][1] >= 0.5
-            and after[plain.pid][1] >= 0.5
-        ):
+        if all(p.pid in after and after[p.pid][1] >= 0.5 for p in (named, plain)):
             break
         time.sleep(0.05)
     used = cluster_cpu(before, after)

@@ -69,8 +69,6 @@ def request_totals(rec: RequestRecord) -> dict[str, float]:
     _add(out, f"slo|{cls}", 1 if rec.slo_met else 0)
     _add(out, f"ptok|{cls}", rec.prompt_tokens)
     _add(out, f"otok|{cls}", rec.output_tokens)
-    if rec.kv_transfer_bytes:
-        _add(out, "kvbytes", rec.kv_transfer_bytes)
     if rec.ttft_s is not None:
         _observe(out, "ttft", cls, rec.ttft_s)
     # TPOT is the mean gap between output tokens; it stands for each of the request's
@@ -81,8 +79,6 @@ def request_totals(rec: RequestRecord) -> dict[str, float]:
         _observe(out, "e2e", cls, rec.e2e_s)
     if rec.queue_s is not None:
         _observe(out, "queue", cls, rec.queue_s)
-    if rec.kv_transfer_s is not None:
-        _observe(out, "kv_transfer", cls, rec.kv_transfer_s)
     return out
 
 

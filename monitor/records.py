@@ -119,8 +119,6 @@ class RequestRecord(_JsonRecord):
     slo_met: bool
     queue_s: float | None = None
     prefill_s: float | None = None
-    kv_transfer_s: float | None = None
-    kv_transfer_bytes: int = 0
     ttft_s: float | None = None
     tpot_s: float | None = None
     e2e_s: float | None = None
@@ -144,8 +142,6 @@ class RequestRecord(_JsonRecord):
                 "output_tokens",
                 "queue_s",
                 "prefill_s",
-                "kv_transfer_s",
-                "kv_transfer_bytes",
                 "ttft_s",
                 "tpot_s",
                 "e2e_s",

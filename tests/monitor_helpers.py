@@ -50,8 +50,6 @@ def request(request_id: str, arrival: float = T0, **kw: Any) -> RequestRecord:
         "slo_met": True,
         "queue_s": 0.01,
         "prefill_s": 0.05,
-        "kv_transfer_s": 0.002,
-        "kv_transfer_bytes": 4096,
         "ttft_s": 0.08,
         "tpot_s": 0.01,
         "e2e_s": 0.2,

@@ -50,10 +50,11 @@ def _feed(mon: Monitor, clock: FakeClock) -> None:
             ttft_s=None,
             tpot_s=None,
             output_tokens=0,
-            kv_transfer_s=None,
-            kv_transfer_bytes=0,
         )
     )
+    # KV transfers come from the prefill workers, one per acknowledged transfer (not from request records).
+    for _ in range(4):
+        mon.record_transfer("online", 4096, 0.002)
     mon.record_batch(
         BatchRecord("prefill-0", "prefill", batch_size=3, real_tokens=300, padded_tokens=512, timestamp=t)
     )

@@ -34,17 +34,19 @@ def test_warmup_then_no_runtime_compilation_inside_range(caplog) -> None:
     assert any("runtime compilation #1" in r.getMessage() for r in caplog.records)
 
 
-def test_cpu_compile_path_is_exact() -> None:
+def test_cpu_compile_path_is_exact_and_writes_the_cache_in_place() -> None:
     # --compile: torch.compile(dynamic=False), one graph per shape; kept to one prompt and one
     # decode shape because each CPU compilation takes tens of seconds.
     from engine_helpers import hf_greedy
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
 
     from engine.config import CacheConfig, SchedulerConfig
 
     engine = LLMEngine(
         small_config(
             compile=True,
-            cache=CacheConfig(block_size=16, num_blocks=64),
+            cache=CacheConfig(block_size=16, num_blocks=1024),
             scheduler=SchedulerConfig(
                 max_model_len=128, max_num_seqs=2, max_num_prefill_seqs=1, max_num_batched_tokens=64
             ),
@@ -52,8 +54,24 @@ def test_cpu_compile_path_is_exact() -> None:
     )
     prompt = random_prompts([20], seed=1)[0]
     req = Request("compiled", prompt, SamplingParams(max_tokens=4))
-    engine.generate([req])
+    # The code inductor generates for the prompt and decode shapes (the on-disk graph cache off, so that a
+    # graph compiled by an earlier run is generated again rather than loaded).
+    with inductor_config.patch(fx_graph_cache=False):
+        _, codes = run_and_get_code(engine.generate, [req])
     assert req.output_token_ids == hf_greedy(engine.loaded.path, prompt, 4)
+    # The new K/V go into the cache in place. Were the write functionalised, each graph would allocate a
+    # buffer the shape of the whole cache and loop over every element of a layer's K and V to copy it back.
+    kv = engine.runner.kv.data
+    code = "\n".join(codes)
+    assert code, "nothing was compiled"
+    cache_shape = "(" + ", ".join(map(str, kv.shape)) + ")"
+    per_layer = f"{kv[0, 0].numel()}L"
+    copies = [
+        line.strip()
+        for line in code.splitlines()
+        if ("empty_strided" in line and cache_shape in line) or ("for(" in line and per_layer in line)
+    ]
+    assert not copies, copies[:3]
 
 
 def test_decode_buckets_stop_at_what_a_full_batch_can_reference() -> None:

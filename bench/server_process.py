@@ -11,6 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from bench.procfs import pids, stat_fields
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -48,19 +50,7 @@ class ServerProcess:
 
     def _members(self) -> list[int]:
         """Processes still in the server's session (it and everything it started, unless they left it)."""
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            # Fields after the command name (which may contain spaces): state ppid pgrp session ...
-            rest = stat[stat.rfind(")") + 2 :].split()
-            if int(rest[3]) == self.sid:
-                pids.append(int(entry.name))
-        return pids
+        return [pid for pid in pids() if (f := stat_fields(pid)) is not None and int(f[3]) == self.sid]
 
     def stop(self, grace_s: float = 45.0) -> list[int]:
         """SIGINT (its clean shutdown) to the server, SIGKILL to its group when it is not done in ``grace_s``,

@@ -10,22 +10,19 @@ controller, monitor, Ray).
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-PROC = Path("/proc")
+from bench.procfs import PROC, pids, stat_fields
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 ROLES = {"PrefillWorker": "prefill", "DecodeWorker": "decode", "ColocatedWorker": "colocated"}
 
 
 def _stat(pid: int) -> tuple[int, float] | None:
     """(parent pid, CPU seconds) of ``pid``; None when it is gone."""
-    try:
-        text = (PROC / str(pid) / "stat").read_text()
-    except OSError:
+    fields = stat_fields(pid)
+    if fields is None:
         return None
-    # The command name (field 2) is in parentheses and may hold spaces: split after its closing one.
-    fields = text[text.rindex(")") + 2 :].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 def _role(pid: int) -> str:
@@ -44,9 +41,9 @@ def process_cpu(root: int) -> dict[int, tuple[str, float]]:
     if not PROC.is_dir():
         raise RuntimeError("per-process CPU needs Linux /proc")
     stats: dict[int, tuple[int, float]] = {}
-    for entry in PROC.iterdir():
-        if entry.name.isdigit() and (s := _stat(int(entry.name))) is not None:
-            stats[int(entry.name)] = s
+    for pid in pids():
+        if (s := _stat(pid)) is not None:
+            stats[pid] = s
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in stats.items():
         children.setdefault(ppid, []).append(pid)

@@ -215,7 +215,10 @@ class Simulator:
             "prefill_engine_s": 0.0,
             "decode_engine_s": 0.0,
         }
-        self.cpu = SharedCpu(c.host.cores, lambda: self.now, self._at) if c.host is not None else None
+        # Host contention, when modelled: the shared cores and the figures that load them.
+        self._contention = (
+            (SharedCpu(c.host.cores, lambda: self.now, self._at), c.host) if c.host is not None else None
+        )
         self.prefill = [_Prefill(f"prefill-{i}", cost.num_blocks) for i in range(c.prefill_workers)]
         self.decode = [_Decode(f"decode-{i}", cost.num_blocks) for i in range(c.decode_workers)]
         self.colocated = [
@@ -233,7 +236,7 @@ class Simulator:
         for i, ((inp, out), t) in enumerate(zip(lengths, arrivals, strict=True)):
             r = SimRequest(f"r{i}", inp, out, t)
             self.requests[r.rid] = r
-            if self.cpu is None:
+            if self._contention is None:
                 # The request reaches the controller after the gateway's hop; its clock started at arrival.
                 self._at(t + self.cost.request_overhead_s, self._arrive, r)
             else:
@@ -246,31 +249,32 @@ class Simulator:
 
     def _gateway(self, r: SimRequest) -> None:
         """With host contention: the gateway's CPU work on the request, then its fixed hop."""
-        assert self.cpu is not None and self.config.host is not None
-        self.cpu.host(self.config.host.host_request_cpu_s, self._at_hop, r)
+        assert self._contention is not None
+        cpu, host = self._contention
+        cpu.host(host.host_request_cpu_s, self._at_hop, r)
 
     def _at_hop(self, r: SimRequest) -> None:
         self._at(self.now + self.cost.request_overhead_s, self._arrive, r)
 
-    def _work(
-        self, key: tuple[str, str], role: str, engine_s: float, fn: Callable[..., None], *args: Any
-    ) -> None:
-        """Run ``engine_s`` of calibrated engine time on a worker: directly, or as CPU work on the shared host."""
+    def _work(self, wid: str, role: str, engine_s: float, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``engine_s`` of calibrated engine time on worker ``wid``: directly, or as CPU work on the shared
+        host."""
         self.stats[f"{role}_engine_s"] += engine_s
-        host = self.config.host
-        if self.cpu is None or host is None:
+        if self._contention is None:
             self._at(self.now + engine_s, fn, *args)
             return
+        cpu, host = self._contention
         factor = host.prefill_cpu_factor if role == "prefill" else host.decode_cpu_factor
-        self.cpu.run(key, engine_s * factor, fn, *args)
+        cpu.run(wid, engine_s * factor, fn, *args)
 
     def _emit(self, tokens: int, first: list[SimRequest], finished: list[SimRequest]) -> None:
         """Tokens leave a worker: the client sees them once the host has streamed them (at once without host
         contention), plus the fixed per-token latency."""
-        if self.cpu is None or self.config.host is None:
+        if self._contention is None:
             self._stamp(first, finished)
         else:
-            self.cpu.host(tokens * self.config.host.host_token_cpu_s, self._stamp, first, finished)
+            cpu, host = self._contention
+            cpu.host(tokens * host.host_token_cpu_s, self._stamp, first, finished)
 
     def _stamp(self, first: list[SimRequest], finished: list[SimRequest]) -> None:
         t = self.now + self.cost.token_overhead_s
@@ -364,16 +368,8 @@ class Simulator:
         self.stats["prefill_batches"] += 1
         self.stats["real_prompt_tokens"] += plan.real_tokens
         self.stats["padded_prompt_tokens"] += b * q - plan.real_tokens
-        self._work(
-            ("prefill", p.wid),
-            "prefill",
-            self.cost.prefill_s(b, q),
-            self._prefill_done,
-            p,
-            batch_id,
-            plan,
-            did,
-        )
+        work = self.cost.prefill_s(b, q)
+        self._work(p.wid, "prefill", work, self._prefill_done, p, batch_id, plan, did)
 
     def _prefill_done(self, p: _Prefill, batch_id: int, plan: BatchPlan, did: str) -> None:
         p.busy = False
@@ -440,7 +436,7 @@ class Simulator:
         b, n = (shape[0], shape[2]) if shape is not None else (len(batch), blocks)
         d.busy = True
         self.stats["decode_steps"] += 1
-        self._work(("decode", d.wid), "decode", self.cost.decode_s(b, n), self._decode_done, d, batch)
+        self._work(d.wid, "decode", self.cost.decode_s(b, n), self._decode_done, d, batch)
 
     def _decode_done(self, d: _Decode, batch: list[SimRequest]) -> None:
         d.busy = False
@@ -514,14 +510,7 @@ class Simulator:
             shape = self.shapes.find_prompt(len(reqs), q, 0)
             b, qq = (shape[0], shape[1]) if shape is not None else (len(reqs), q)
             self.stats["prefill_batches"] += 1
-            self._work(
-                ("colocated", w.wid),
-                "prefill",
-                self.cost.prefill_s(b, qq),
-                self._colocated_prefill_done,
-                w,
-                reqs,
-            )
+            self._work(w.wid, "prefill", self.cost.prefill_s(b, qq), self._colocated_prefill_done, w, reqs)
             return
         for rid in step.preempt_ids:
             r = by_id[rid]
@@ -540,9 +529,7 @@ class Simulator:
         shape = self.shapes.find_decode(len(batch), blocks)
         b, n = (shape[0], shape[2]) if shape is not None else (len(batch), blocks)
         self.stats["decode_steps"] += 1
-        self._work(
-            ("colocated", w.wid), "decode", self.cost.decode_s(b, n), self._colocated_decode_done, w, batch
-        )
+        self._work(w.wid, "decode", self.cost.decode_s(b, n), self._colocated_decode_done, w, batch)
 
     def _colocated_prefill_done(self, w: _Colocated, reqs: list[SimRequest]) -> None:
         w.busy = False

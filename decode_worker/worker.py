@@ -16,10 +16,10 @@ import queue
 import threading
 import time
 
-from decode_worker.base import EngineWorker
-from decode_worker.config import WorkerConfig
-from engine.messages import PrefilledMessage
 from kv_transfer import ReceivedKV, create_transport
+from worker.actor import EngineWorker
+from worker.config import WorkerConfig
+from worker.messages import PrefilledMessage
 
 logger = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ import ray
 
 from bucket_manager.controller import Controller, ControllerConfig
 from bucket_manager.priority import PriorityPolicy
-from decode_worker.colocated import ColocatedWorker
-from decode_worker.config import WorkerConfig
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
 from kv_transfer.config import TransferConfig
 from monitor import Monitor, MonitorConfig
 from prefill_worker.worker import PrefillWorker
+from worker.colocated import ColocatedWorker
+from worker.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ import ray
 from bucket_manager.memory_budget import safe_blocks
 from bucket_manager.request import PriorityClass as SummaryClass
 from bucket_manager.request import RequestSummary
-from engine.messages import RequestMessage
 from engine.request import FinishReason, Request, RequestOutput
 from gateway.backend import ModelInfo, Overloaded, Rejected, ServingBackend, Unavailable
 from gateway.cluster import ClusterConfig, ClusterHandles, connect_cluster, launch_cluster, stop_cluster
 from monitor.records import RequestRecord
+from worker.messages import RequestMessage
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,8 @@ controller report to it."""
 from monitor.config import MonitorConfig
 from monitor.monitor import Monitor
 from monitor.records import BatchRecord, BucketState, RequestRecord, WorkerStats, WorkerStatus
-from monitor.store import MonitorStore, create_store, register_store
+from monitor.store import MonitorStore
+from monitor.stores import create_store, register_store
 
 __all__ = [
     "BatchRecord",

@@ -21,7 +21,8 @@ from monitor.records import (
     WorkerStats,
     WorkerStatus,
 )
-from monitor.store import Clock, MonitorStore, create_store
+from monitor.store import Clock, MonitorStore
+from monitor.stores import create_store
 
 # Dashboard windows up to an hour are drawn from 10 s slots, longer ones from minutes, so
 # a chart never has more than a few hundred to ~1440 points.

@@ -17,14 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
-from decode_worker.base import EngineWorker
-from decode_worker.config import WorkerConfig
-from decode_worker.heartbeat import lookup_actor
-from engine.messages import PrefilledMessage, RequestMessage
 from engine.request import FinishReason, Request, RequestOutput
 from kv_transfer import KVTransferError, create_transport
 from kv_transfer.streaming import LayerStreamer
 from monitor.records import BatchRecord
+from worker.actor import EngineWorker, lookup_actor
+from worker.config import WorkerConfig
+from worker.messages import PrefilledMessage, RequestMessage
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,10 @@ from redis_fixture import redis_server  # noqa: F401 - pytest fixture
 
 from monitor import sketch
 from monitor.config import MonitorConfig
+from monitor.memory_store import MemoryStore
 from monitor.records import BatchRecord, BucketState
-from monitor.store import MemoryStore, MonitorStore, create_store
+from monitor.store import MonitorStore
+from monitor.stores import create_store
 
 MakeStore = Callable[..., MonitorStore]
 

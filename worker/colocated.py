@@ -11,11 +11,11 @@ import queue
 import threading
 import time
 
-from decode_worker.base import EngineWorker
-from decode_worker.config import WorkerConfig
 from engine.llm_engine import RequestRejected
-from engine.messages import RequestMessage
 from engine.request import FinishReason, PriorityClass, Request, RequestOutput
+from worker.actor import EngineWorker
+from worker.config import WorkerConfig
+from worker.messages import RequestMessage
 
 logger = logging.getLogger(__name__)
 

@@ -3,17 +3,41 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
-from decode_worker.config import WorkerConfig
-from decode_worker.heartbeat import Heartbeat, engine_worker_stats, lookup_actor, pin_process
+import ray
+import torch
+
 from engine.llm_engine import LLMEngine
-from engine.output_buffer import OutputBuffers
 from engine.request import RequestOutput
 from monitor.records import WorkerStats
+from worker.config import WorkerConfig
+from worker.heartbeat import Heartbeat, engine_worker_stats
+from worker.outbox import OutputBuffers
 
 logger = logging.getLogger(__name__)
+
+
+def pin_process(num_threads: int, cpu_affinity: tuple[int, ...]) -> None:
+    """Give this worker its own compute: torch threads, and the cores it may run on (Linux only)."""
+    torch.set_num_threads(num_threads)
+    if cpu_affinity and hasattr(os, "sched_setaffinity"):
+        usable = set(range(os.cpu_count() or 1))
+        cores = {c for c in cpu_affinity if c in usable}
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+
+def lookup_actor(name: str | None):
+    if name is None:
+        return None
+    try:
+        return ray.get_actor(name)
+    except ValueError:
+        logger.warning("actor %r not found; not reporting to it", name)
+        return None
 
 
 class EngineWorker:

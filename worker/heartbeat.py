@@ -1,39 +1,15 @@
-"""Process set-up and stats reporting shared by every worker actor."""
+"""Stats reporting shared by every worker actor: the heartbeat to the monitor and the stats record."""
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 
-import ray
-import torch
-
 from monitor.records import WorkerStats
 
 logger = logging.getLogger(__name__)
-
-
-def pin_process(num_threads: int, cpu_affinity: tuple[int, ...]) -> None:
-    """Give this worker its own compute: torch threads, and the cores it may run on (Linux only)."""
-    torch.set_num_threads(num_threads)
-    if cpu_affinity and hasattr(os, "sched_setaffinity"):
-        usable = set(range(os.cpu_count() or 1))
-        cores = {c for c in cpu_affinity if c in usable}
-        if cores:
-            os.sched_setaffinity(0, cores)
-
-
-def lookup_actor(name: str | None):
-    if name is None:
-        return None
-    try:
-        return ray.get_actor(name)
-    except ValueError:
-        logger.warning("actor %r not found; not reporting to it", name)
-        return None
 
 
 class Heartbeat:

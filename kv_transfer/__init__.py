@@ -1,7 +1,6 @@
 """KV cache transfer between prefill and decode workers: one :class:`KVTransport` interface and
-its backends (``grpc``, ``shm``, ``torch_dist``, ``local``)."""
+its backends (``grpc``, ``shm``, ``torch_dist``, ``local``), each imported when first created."""
 
-from . import grpc_transport, local, torch_dist  # noqa: F401  (register the backends)
 from .base import (
     FaultInjector,
     KVTransport,

@@ -9,6 +9,7 @@ All decisions about blocks live here and in :class:`KVReceiver`.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import threading
 import time
@@ -45,11 +46,23 @@ def register_transport(name: str):
     return deco
 
 
+# The built-in backends, imported on first use: importing kv_transfer must not pull in grpc and
+# torch.distributed for a process that uses neither.
+_BUILTIN = {
+    "grpc": "kv_transfer.grpc_transport",
+    "shm": "kv_transfer.grpc_transport",
+    "local": "kv_transfer.local",
+    "torch_dist": "kv_transfer.torch_dist",
+}
+
+
 def transport_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(set(_REGISTRY) | set(_BUILTIN))
 
 
 def get_transport_class(name: str) -> type[KVTransport]:
+    if name not in _REGISTRY and name in _BUILTIN:
+        importlib.import_module(_BUILTIN[name])
     try:
         return _REGISTRY[name]
     except KeyError:

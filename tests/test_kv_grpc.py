@@ -136,7 +136,7 @@ def test_sender_blocks_instead_of_buffering_when_the_receiver_stalls(monkeypatch
     import threading
     import time
 
-    from kv_transfer import grpc_transport, receiver
+    from kv_transfer import grpc_sessions, receiver
 
     gate = threading.Event()
     real_write = receiver.KVReceiver.write
@@ -146,14 +146,14 @@ def test_sender_blocks_instead_of_buffering_when_the_receiver_stalls(monkeypatch
         return real_write(self, info, payload)
 
     encoded = []
-    real_encode = grpc_transport.encode_chunk
+    real_encode = grpc_sessions.encode_chunk
 
     def counting_encode(header, views=()):
         encoded.append(1)
         return real_encode(header, views)
 
     monkeypatch.setattr(receiver.KVReceiver, "write", stalled_write)
-    monkeypatch.setattr(grpc_transport, "encode_chunk", counting_encode)
+    monkeypatch.setattr(grpc_sessions, "encode_chunk", counting_encode)
     spec = KVCacheSpec(
         architecture="LlamaForCausalLM", num_layers=4, num_kv_heads=4, head_dim=64, block_size=16
     )

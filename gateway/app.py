@@ -33,7 +33,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.request import FinishReason, PriorityClass, Request, RequestOutput, SamplingParams
-from gateway.backend import BackendError, GatewaySettings, Overloaded, ServingBackend
+from gateway.backend import BackendError, Overloaded, ServingBackend
 from gateway.protocol import (
     SSE_DONE,
     APIError,
@@ -59,6 +59,7 @@ from gateway.protocol import (
     parse_body,
     sse,
 )
+from gateway.settings import GatewaySettings
 from gateway.tokenization import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from monitor.records import RequestRecord
 

@@ -26,7 +26,13 @@ from bucket_manager.request import PriorityClass as SummaryClass
 from bucket_manager.request import RequestSummary
 from engine.request import FinishReason, Request, RequestOutput
 from gateway.backend import ModelInfo, Overloaded, Rejected, ServingBackend, Unavailable
-from gateway.cluster import ClusterConfig, ClusterHandles, connect_cluster, launch_cluster, stop_cluster
+from gateway.cluster_launch import (
+    ClusterConfig,
+    ClusterHandles,
+    connect_cluster,
+    launch_cluster,
+    stop_cluster,
+)
 from monitor.records import RequestRecord
 from worker.messages import RequestMessage
 

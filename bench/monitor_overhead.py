@@ -177,8 +177,8 @@ async def burst(url: str, prompts: list[str], max_tokens: int, concurrency: int)
 def gateway_round(engine: Any, monitor: Any, prompts: list[str], args: argparse.Namespace) -> float:
     """One measured burst through a fresh gateway whose backend reports to ``monitor``; requests/s."""
     from gateway.app import create_app
-    from gateway.backend import GatewaySettings
     from gateway.local_backend import LocalEngineBackend
+    from gateway.settings import GatewaySettings
 
     backend = LocalEngineBackend(engine=engine, model_name=args.model, monitor=monitor)
     try:

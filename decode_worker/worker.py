@@ -11,6 +11,7 @@ into the running batch at the next step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -19,6 +20,7 @@ import time
 from kv_transfer import ReceivedKV, create_transport
 from worker.actor import EngineWorker
 from worker.config import WorkerConfig
+from worker.info import WorkerInfo
 from worker.messages import PrefilledMessage
 
 logger = logging.getLogger(__name__)
@@ -43,8 +45,8 @@ class DecodeWorker(EngineWorker):
         self._start(self._loop)
 
     # ------------------------------------------------------------------ remote API
-    def info(self) -> dict:
-        return {**super().info(), "address": self.address}
+    def info(self) -> WorkerInfo:
+        return dataclasses.replace(super().info(), address=self.address)
 
     def expect(self, msg: PrefilledMessage, need_blocks: int) -> bool:
         """Announce a prefilled request whose KV follows. False (full): send it elsewhere."""

@@ -1,5 +1,5 @@
-"""One in-process engine behind the gateway: for development (`serve --mode local`) and for testing
-the HTTP layer on a real model without Ray.
+"""One in-process engine behind the gateway, without Ray: for exercising the HTTP layer on a real model
+from Python (``create_app(LocalEngineBackend(config))``: tests, benchmarks). No ``serve`` mode builds it.
 
 A background thread owns the engine: it takes new requests and aborts from the event loop, runs
 engine steps, and hands each step's outputs back to the waiting coroutines with one

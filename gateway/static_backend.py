@@ -298,7 +298,7 @@ def serve_static(args: Any) -> int:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.backend import GatewaySettings
+    from gateway.settings import GatewaySettings
 
     # As many threads as each of our workers gets: more threads than free cores slows generate several-fold.
     torch.set_num_threads(args.num_threads)

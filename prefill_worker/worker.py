@@ -23,6 +23,7 @@ from kv_transfer.streaming import LayerStreamer
 from monitor.records import BatchRecord
 from worker.actor import EngineWorker, lookup_actor
 from worker.config import WorkerConfig
+from worker.info import DecodePeer
 from worker.messages import PrefilledMessage, RequestMessage
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class PrefillWorker(EngineWorker):
         self._queue: collections.deque[tuple[int, list[tuple[RequestMessage, str]]]] = collections.deque()
         self._in_progress = 0  # batches taken off the queue whose transfers are not all done
         self._streamed = 0  # transfers that went layer by layer during their prefill and were acknowledged
-        self._peers: dict[str, tuple[object, str]] = {}  # decode worker id -> (actor handle, KV address)
+        self._peers: dict[str, DecodePeer] = {}  # by decode worker id
         self._tombstones: dict[str, float] = {}
         self._controller = None
         self._senders = ThreadPoolExecutor(config.num_senders, thread_name_prefix="kv-send")
@@ -52,7 +53,7 @@ class PrefillWorker(EngineWorker):
         self._start(self._loop)
 
     # ------------------------------------------------------------------ remote API
-    def set_decode_workers(self, peers: dict[str, tuple[object, str]]) -> None:
+    def set_decode_workers(self, peers: dict[str, DecodePeer]) -> None:
         with self._cond:
             self._peers = dict(peers)
 
@@ -175,7 +176,7 @@ class PrefillWorker(EngineWorker):
                 kept_items.append((msg, decode_id))
                 kept_reqs.append(r)
                 continue
-            if streamer.begin(peer[1], r.request_id, r.block_ids, r.num_tokens):
+            if streamer.begin(peer.kv_address, r.request_id, r.block_ids, r.num_tokens):
                 kept_items.append((msg, decode_id))
                 kept_reqs.append(r)
                 continue
@@ -188,7 +189,7 @@ class PrefillWorker(EngineWorker):
     def _forget_on(self, decode_id: str, rid: str) -> None:
         peer = self._peers.get(decode_id)
         if peer is not None:
-            peer[0].forget.remote(rid)
+            peer.handle.forget.remote(rid)
 
     def _drop(self, req: Request) -> None:
         if req.block_ids:

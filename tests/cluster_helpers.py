@@ -13,7 +13,7 @@ import torch
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.model_loader import resolve_model_path
 from engine.request import PriorityClass, Request, SamplingParams
-from gateway.cluster import ClusterConfig
+from gateway.cluster_launch import ClusterConfig
 
 # 48 blocks of 16 tokens: a burst of 16 mixed requests needs more than this, so it must queue.
 NUM_BLOCKS = 48

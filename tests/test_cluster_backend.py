@@ -18,7 +18,7 @@ from cluster_helpers import (
 )
 
 from gateway.backend import Rejected
-from gateway.ray_backend import RayClusterBackend
+from gateway.cluster_backend import RayClusterBackend
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 import ray
 from cluster_helpers import NUM_BLOCKS, cluster_config, collect, make_request, reference_tokens
 
-from gateway.ray_backend import RayClusterBackend
+from gateway.cluster_backend import RayClusterBackend
 
 pytestmark = pytest.mark.slow
 

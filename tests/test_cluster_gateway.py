@@ -22,9 +22,9 @@ import pytest
 from cluster_helpers import NUM_BLOCKS, cluster_config, reference_tokens, wait_idle
 
 from gateway.app import build_app
-from gateway.backend import GatewaySettings
+from gateway.cluster_backend import RayClusterBackend
 from gateway.commands.serve import connect_backend
-from gateway.ray_backend import RayClusterBackend
+from gateway.settings import GatewaySettings
 
 pytestmark = pytest.mark.slow
 

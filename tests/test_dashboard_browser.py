@@ -26,8 +26,8 @@ import pytest
 from gateway_helpers import serve_app, tiny_config
 
 from gateway.app import create_app
-from gateway.backend import GatewaySettings
 from gateway.local_backend import LocalEngineBackend
+from gateway.settings import GatewaySettings
 from monitor import Monitor
 
 API_KEY = "dash-key"

@@ -16,8 +16,8 @@ import pytest
 from gateway_helpers import MAX_MODEL_LEN, HFReference, greedy_completions, serve_app, sse_events, tiny_config
 
 from gateway.app import create_app
-from gateway.backend import GatewaySettings
 from gateway.local_backend import LocalEngineBackend
+from gateway.settings import GatewaySettings
 
 API_KEY = "s3cret-key"
 

@@ -9,8 +9,8 @@ import pickle
 import pytest
 
 from engine.model_loader import load_tokenizer
-from gateway.backend import GatewaySettings
 from gateway.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from gateway.settings import GatewaySettings
 from gateway.tokenization import IncrementalDetokenizer, Tokenizer
 
 

@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis_fixture import redis_server  # noqa: F401 - the fixture, used by name
 
 from gateway.app import create_app
-from gateway.backend import GatewaySettings
 from gateway.local_backend import LocalEngineBackend
+from gateway.settings import GatewaySettings
 from monitor import Monitor, MonitorConfig, metrics
 
 # Each test writes under its own key prefix, so tests sharing the server never see each other.

@@ -10,7 +10,7 @@ import pytest
 from gateway_helpers import HFReference, greedy_completions, serve_app, sse_events
 
 from gateway.app import create_app
-from gateway.backend import GatewaySettings
+from gateway.settings import GatewaySettings
 from gateway.static_backend import StaticBatchBackend
 
 PROMPTS = [

@@ -1,4 +1,4 @@
-"""What every worker actor shares: process pinning, the engine, output buffers, stats and the info record."""
+"""What every worker actor shares: process pinning, the engine, output buffers, stats and its :class:`WorkerInfo`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from engine.request import RequestOutput
 from monitor.records import WorkerStats
 from worker.config import WorkerConfig
 from worker.heartbeat import Heartbeat, engine_worker_stats
+from worker.info import WorkerInfo
 from worker.outbox import OutputBuffers
 
 logger = logging.getLogger(__name__)
@@ -67,22 +68,22 @@ class EngineWorker:
         logger.info("%s worker %s up in %.1fs", self.role, self.config.worker_id, self.startup_s)
 
     # ------------------------------------------------------------------ remote API
-    def info(self) -> dict:
+    def info(self) -> WorkerInfo:
         e = self.engine
-        return {
-            "worker_id": self.config.worker_id,
-            "role": self.role,
-            "warmed": True,
-            "startup_s": self.startup_s,
-            "warmup": dict(e.warmup_report),
-            "kv_blocks_total": e.allocator.num_blocks,
-            "block_size": e.block_size,
-            "max_model_len": e.config.scheduler.max_model_len,
-            "max_num_batched_tokens": e.config.scheduler.max_num_batched_tokens,
-            "shape_config": e.buckets.config,
-            "eos_token_ids": tuple(e.eos_token_ids),
-            "model_path": str(e.loaded.path),
-        }
+        return WorkerInfo(
+            worker_id=self.config.worker_id,
+            role=self.role,
+            warmed=True,
+            startup_s=self.startup_s,
+            warmup=dict(e.warmup_report),
+            kv_blocks_total=e.allocator.num_blocks,
+            block_size=e.block_size,
+            max_model_len=e.config.scheduler.max_model_len,
+            max_num_batched_tokens=e.config.scheduler.max_num_batched_tokens,
+            shape_config=e.buckets.config,
+            eos_token_ids=tuple(e.eos_token_ids),
+            model_path=str(e.loaded.path),
+        )
 
     def drain(self, consumer_id: str, timeout: float = 0.5, ack: int = -1) -> tuple[int, list[RequestOutput]]:
         """Every output for this consumer not yet acknowledged; waits up to ``timeout`` when there is none."""

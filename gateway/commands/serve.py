@@ -124,7 +124,7 @@ def apply_config_file(args: argparse.Namespace) -> argparse.Namespace:
 def cluster_config_from_args(args: argparse.Namespace, detached: bool = False):
     from bucket_manager.priority import PriorityPolicy
     from engine.config import config_from_args
-    from gateway.cluster import ClusterConfig
+    from gateway.cluster_launch import ClusterConfig
     from monitor import MonitorConfig
 
     return ClusterConfig(
@@ -151,13 +151,13 @@ def cluster_config_from_args(args: argparse.Namespace, detached: bool = False):
 
 def connect_backend(config):
     """Run inside each gateway replica: connect to the cluster launched under ``config.name``."""
-    from gateway.ray_backend import RayClusterBackend
+    from gateway.cluster_backend import RayClusterBackend
 
     return RayClusterBackend(config, launch=False)
 
 
 def _settings(config, api_key: str | None):
-    from gateway.backend import GatewaySettings
+    from gateway.settings import GatewaySettings
 
     return GatewaySettings(backend_factory=functools.partial(connect_backend, config), api_key=api_key)
 
@@ -165,7 +165,7 @@ def _settings(config, api_key: str | None):
 def build_serve_app(cli_args: dict[str, Any]):
     """Application builder for ``serve run``: ``cli_args`` holds the same keys as the config file."""
     import gateway.app
-    from gateway.cluster import launch_cluster
+    from gateway.cluster_launch import launch_cluster
 
     parser = _serve_parser()
     parser.set_defaults(**config_keys(cli_args, "serve config args"))
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from gateway.cluster import ensure_ray, launch_cluster, stop_cluster
+    from gateway.cluster_launch import ensure_ray, launch_cluster, stop_cluster
 
     try:
         config = cluster_config_from_args(args)

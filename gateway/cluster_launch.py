@@ -1,4 +1,5 @@
-"""Launching the Ray side of the cluster: monitor, controller and workers as named actors.
+"""Launching the Ray side of the cluster: monitor, controller and workers as named actors, as a
+:class:`ClusterConfig` describes them.
 
 ``launch_cluster`` starts them and waits until every worker has loaded and warmed its model;
 ``connect_cluster`` finds an already running cluster by its actor names (a Ray Serve replica does this).
@@ -10,9 +11,10 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
+from ray.actor import ActorHandle
 
 from bucket_manager.controller import Controller, ControllerConfig
 from bucket_manager.priority import PriorityPolicy
@@ -21,8 +23,10 @@ from engine.config import EngineConfig
 from kv_transfer.config import TransferConfig
 from monitor import Monitor, MonitorConfig
 from prefill_worker.worker import PrefillWorker
+from worker.actor import EngineWorker
 from worker.colocated import ColocatedWorker
 from worker.config import WorkerConfig
+from worker.info import DecodePeer, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -115,18 +119,30 @@ class ClusterConfig:
         return {f.name for f in fields(cls)}
 
 
+class WorkerActor(NamedTuple):
+    """One worker actor of the cluster."""
+
+    role: str  # "prefill", "decode" or "colocated"
+    handle: ActorHandle[EngineWorker]
+
+
 @dataclass
 class ClusterHandles:
     config: ClusterConfig
-    monitor: Any
-    controller: Any | None
-    workers: dict[str, tuple[str, Any]]  # actor name -> (role, handle)
-    infos: dict[str, dict]
+    monitor: ActorHandle[Monitor]
+    controller: ActorHandle[Controller] | None  # disaggregated mode only
+    workers: dict[str, WorkerActor]  # by actor name
+    infos: dict[str, WorkerInfo]  # by actor name
     launched: bool
     startup_s: float = 0.0
 
-    def by_role(self, role: str) -> dict[str, Any]:
+    def by_role(self, role: str) -> dict[str, ActorHandle[EngineWorker]]:
         return {n: h for n, (r, h) in self.workers.items() if r == role}
+
+    def engine_info(self) -> WorkerInfo:
+        """The engine facts (model, block size, context and batch limits, shape buckets) every worker shares:
+        all load the same model with the same engine config, so any one worker's info tells them."""
+        return next(iter(self.infos.values()))
 
 
 def ensure_ray(config: ClusterConfig) -> None:
@@ -171,7 +187,7 @@ def launch_cluster(config: ClusterConfig) -> ClusterHandles:
         .options(name=config.actor_name("monitor"), namespace=ns, num_cpus=0, max_concurrency=8, **life)
         .remote(config.monitor)
     )
-    workers: dict[str, tuple[str, Any]] = {}
+    workers: dict[str, WorkerActor] = {}
     counts: dict[str, int] = {}
     controller_name = config.actor_name("controller") if config.mode == "disaggregated" else None
     for role, name in config.worker_ids():
@@ -194,43 +210,61 @@ def launch_cluster(config: ClusterConfig) -> ClusterHandles:
             .options(name=name, namespace=ns, num_cpus=config.worker_num_cpus, max_concurrency=64, **life)
             .remote(wcfg)
         )
-        workers[name] = (role, handle)
-    refs = {name: h.info.remote() for name, (_, h) in workers.items()}
-    infos: dict[str, dict] = {}
+        workers[name] = WorkerActor(role, handle)
+    refs = {name: w.handle.info.remote() for name, w in workers.items()}
+    infos: dict[str, WorkerInfo] = {}
     for name, ref in refs.items():
-        infos[name] = ray.get(ref, timeout=config.startup_timeout_s)
-        logger.info(
-            "%s up and warmed in %.1fs (%d KV blocks)",
-            name,
-            infos[name]["startup_s"],
-            infos[name]["kv_blocks_total"],
-        )
-    controller = None
+        info: WorkerInfo = ray.get(ref, timeout=config.startup_timeout_s)
+        infos[name] = info
+        logger.info("%s up and warmed in %.1fs (%d KV blocks)", name, info.startup_s, info.kv_blocks_total)
+    handles = ClusterHandles(config, monitor, None, workers, infos, True)
     if config.mode == "disaggregated":
-        first = next(iter(infos.values()))
-        ccfg = ControllerConfig(
-            block_size=first["block_size"],
-            max_model_len=first["max_model_len"],
-            max_num_batched_tokens=first["max_num_batched_tokens"],
-            shape_config=first["shape_config"],
-            monitor_name=config.actor_name("monitor"),
-            policy=config.policy,
-            max_batches_per_prefill_worker=config.max_batches_per_prefill_worker,
-            scheduling=config.scheduling,
-        )
-        controller = (
-            ray.remote(Controller)
-            .options(name=controller_name, namespace=ns, num_cpus=0, max_concurrency=1000, **life)
-            .remote(ccfg)
-        )
-        prefill = {n: (h, infos[n]["kv_blocks_total"]) for n, (r, h) in workers.items() if r == "prefill"}
-        decode = {n: (h, infos[n]["kv_blocks_total"]) for n, (r, h) in workers.items() if r == "decode"}
-        ray.get(controller.register_workers.remote(prefill, decode))
-        peers = {n: (h, infos[n]["address"]) for n, (h, _) in decode.items()}
-        ray.get([h.set_decode_workers.remote(peers) for h, _ in prefill.values()])
-    handles = ClusterHandles(config, monitor, controller, workers, infos, True, time.perf_counter() - t0)
+        handles.controller = _launch_controller(handles, life)
+    handles.startup_s = time.perf_counter() - t0
     logger.info("cluster %r (%s) ready in %.1fs", config.name, config.mode, handles.startup_s)
     return handles
+
+
+def _controller_config(config: ClusterConfig, info: WorkerInfo) -> ControllerConfig:
+    return ControllerConfig(
+        block_size=info.block_size,
+        max_model_len=info.max_model_len,
+        max_num_batched_tokens=info.max_num_batched_tokens,
+        shape_config=info.shape_config,
+        monitor_name=config.actor_name("monitor"),
+        policy=config.policy,
+        max_batches_per_prefill_worker=config.max_batches_per_prefill_worker,
+        scheduling=config.scheduling,
+    )
+
+
+def _launch_controller(handles: ClusterHandles, life: dict[str, str]) -> ActorHandle[Controller]:
+    """Start the controller, give it the workers and their KV capacity, and tell each prefill worker its
+    decode peers."""
+    config, infos = handles.config, handles.infos
+    controller = (
+        ray.remote(Controller)
+        .options(
+            name=config.actor_name("controller"),
+            namespace=config.namespace,
+            num_cpus=0,
+            max_concurrency=1000,
+            **life,
+        )
+        .remote(_controller_config(config, handles.engine_info()))
+    )
+    # The controller's ledger rows: actor name -> (handle, KV blocks).
+    prefill = {n: (h, infos[n].kv_blocks_total) for n, h in handles.by_role("prefill").items()}
+    decode = {n: (h, infos[n].kv_blocks_total) for n, h in handles.by_role("decode").items()}
+    ray.get(controller.register_workers.remote(prefill, decode))
+    peers: dict[str, DecodePeer] = {}
+    for n, h in handles.by_role("decode").items():
+        address = infos[n].address
+        if address is None:
+            raise RuntimeError(f"decode worker {n} reported no KV address")
+        peers[n] = DecodePeer(h, address)
+    ray.get([h.set_decode_workers.remote(peers) for h in handles.by_role("prefill").values()])
+    return controller
 
 
 def connect_cluster(config: ClusterConfig) -> ClusterHandles:
@@ -243,21 +277,23 @@ def connect_cluster(config: ClusterConfig) -> ClusterHandles:
         if config.mode == "disaggregated"
         else None
     )
-    workers = {name: (role, ray.get_actor(name, namespace=ns)) for role, name in config.worker_ids()}
-    infos = {
-        name: ray.get(h.info.remote(), timeout=config.startup_timeout_s) for name, (_, h) in workers.items()
+    workers = {
+        name: WorkerActor(role, ray.get_actor(name, namespace=ns)) for role, name in config.worker_ids()
+    }
+    infos: dict[str, WorkerInfo] = {
+        name: ray.get(w.handle.info.remote(), timeout=config.startup_timeout_s) for name, w in workers.items()
     }
     return ClusterHandles(config, monitor, controller, workers, infos, False)
 
 
 def stop_cluster(handles: ClusterHandles) -> None:
-    for _, h in handles.workers.values():
+    for w in handles.workers.values():
         try:
-            ray.get(h.shutdown.remote(), timeout=10)
+            ray.get(w.handle.shutdown.remote(), timeout=10)
         except Exception as e:  # already gone
             logger.debug("worker shutdown: %s", e)
-    for _, h in handles.workers.values():
-        ray.kill(h)
+    for w in handles.workers.values():
+        ray.kill(w.handle)
     if handles.controller is not None:
         ray.kill(handles.controller)
     ray.kill(handles.monitor)

@@ -17,17 +17,25 @@ import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import ray
+from ray.actor import ActorHandle
 
 from bucket_manager.memory_budget import safe_blocks
 from bucket_manager.request import PriorityClass as SummaryClass
 from bucket_manager.request import RequestSummary
 from engine.request import FinishReason, Request, RequestOutput
 from gateway.backend import ModelInfo, Overloaded, Rejected, ServingBackend, Unavailable
-from gateway.cluster import ClusterConfig, ClusterHandles, connect_cluster, launch_cluster, stop_cluster
+from gateway.cluster_launch import (
+    ClusterConfig,
+    ClusterHandles,
+    connect_cluster,
+    launch_cluster,
+    stop_cluster,
+)
 from monitor.records import RequestRecord
+from worker.actor import EngineWorker
+from worker.info import WorkerInfo
 from worker.messages import RequestMessage
 
 logger = logging.getLogger(__name__)
@@ -40,7 +48,7 @@ class _Stream:
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.delivered = 0
         self.pending: dict[int, RequestOutput] = {}
-        self.worker: Any = None  # colocated mode: the worker that runs it
+        self.worker: ActorHandle[EngineWorker] | None = None  # colocated mode: the worker that runs it
         self.worker_name: str | None = None
 
     def push(self, out: RequestOutput) -> None:
@@ -73,17 +81,17 @@ class RayClusterBackend(ServingBackend):
     def __init__(self, config: ClusterConfig, launch: bool = True) -> None:
         self.config = config
         self.handles: ClusterHandles = launch_cluster(config) if launch else connect_cluster(config)
-        info = next(iter(self.handles.infos.values()))
+        info = self.handles.engine_info()
         self._info = ModelInfo(
             name=config.model_name,
-            path=info["model_path"],
-            max_model_len=info["max_model_len"],
-            eos_token_ids=tuple(info["eos_token_ids"]),
+            path=info.model_path,
+            max_model_len=info.max_model_len,
+            eos_token_ids=tuple(info.eos_token_ids),
         )
-        self._block_size = int(info["block_size"])
+        self._block_size = info.block_size
         role = "colocated" if config.mode == "colocated" else "decode"
         self._decode_capacity = min(
-            safe_blocks(i["kv_blocks_total"]) for i in self.handles.infos.values() if i["role"] == role
+            safe_blocks(i.kv_blocks_total) for i in self.handles.infos.values() if i.role == role
         )
         self.consumer_id = f"gw-{uuid.uuid4().hex[:12]}"
         self._streams: dict[str, _Stream] = {}
@@ -223,10 +231,10 @@ class RayClusterBackend(ServingBackend):
         await self._abort_placed(request_id, stream)
 
     async def health(self) -> dict:
-        async def probe(name: str, role: str, handle: Any) -> dict:
+        async def probe(name: str, role: str, handle: ActorHandle[EngineWorker]) -> dict:
             try:
-                info = await asyncio.wait_for(handle.info.remote(), 5.0)
-                return {"id": name, "role": role, "up": True, "warmed": bool(info.get("warmed"))}
+                info: WorkerInfo = await asyncio.wait_for(handle.info.remote(), 5.0)
+                return {"id": name, "role": role, "up": True, "warmed": info.warmed}
             except Exception as e:
                 return {"id": name, "role": role, "up": False, "warmed": False, "error": type(e).__name__}
 
@@ -259,7 +267,7 @@ class RayClusterBackend(ServingBackend):
     async def worker_stats(self) -> dict[str, dict]:
         """Each worker's own figures (KV blocks free/used/total, ...), read directly."""
         names = list(self.handles.workers)
-        stats = await asyncio.gather(*(self.handles.workers[n][1].stats.remote() for n in names))
+        stats = await asyncio.gather(*(self.handles.workers[n].handle.stats.remote() for n in names))
         return dict(zip(names, stats, strict=True))
 
     async def shutdown(self) -> None:
@@ -280,8 +288,8 @@ class RayClusterBackend(ServingBackend):
         # A fresh context: created inside a request, the tasks would inherit its Ray Serve request context, and
         # Serve cancels the Ray calls of a request whose client disconnects (the drains of every stream).
         self._pollers = [
-            loop.create_task(self._poll(n, h), context=contextvars.Context())
-            for n, (_, h) in self.handles.workers.items()
+            loop.create_task(self._poll(n, w.handle), context=contextvars.Context())
+            for n, w in self.handles.workers.items()
         ]
 
     async def _fail_lost(self, name: str) -> None:
@@ -311,7 +319,7 @@ class RayClusterBackend(ServingBackend):
                     )
                 )
 
-    async def _poll(self, name: str, handle: Any) -> None:
+    async def _poll(self, name: str, handle: ActorHandle[EngineWorker]) -> None:
         while not self._closed:
             try:
                 ack = self._acks.get(name, -1)

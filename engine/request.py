@@ -10,10 +10,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+# One priority class for every layer; the controller's module is the lowest that needs it.
+from bucket_manager.request import PriorityClass
 
-class PriorityClass(enum.StrEnum):
-    ONLINE = "online"  # latency SLOs (TTFT, TPOT)
-    OFFLINE = "offline"  # throughput
+__all__ = ["FinishReason", "PriorityClass", "Request", "RequestOutput", "RequestStatus", "SamplingParams"]
 
 
 class RequestStatus(enum.StrEnum):
@@ -72,7 +72,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority_class: PriorityClass = PriorityClass.ONLINE
-    priority_level: int = 0  # higher = more urgent, inside its class
+    priority: int = 0  # smaller runs first inside its class, as in the controller
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     arrival_time: float = field(default_factory=time.monotonic)

@@ -21,7 +21,7 @@ class Scheduling:
     """What a request asks of the scheduler: its class, its level within the class and its latency SLOs."""
 
     priority_class: PriorityClass
-    priority_level: int
+    priority: int  # smaller runs first inside its class (the API's priority_level, negated)
     slo_ttft_ms: float | None
     slo_tpot_ms: float | None
 
@@ -76,7 +76,8 @@ class Admission:
             ttft = ttft if ttft is not None else self.settings.default_slo_ttft_ms
             tpot = tpot if tpot is not None else self.settings.default_slo_tpot_ms
         # Offline work is judged on throughput: it gets latency SLOs only when it asks for them.
-        return Scheduling(PriorityClass(pclass), level, ttft, tpot)
+        # The API says "higher level = more urgent"; every layer below says "smaller priority first".
+        return Scheduling(PriorityClass(pclass), -level, ttft, tpot)
 
     def check_logprobs(self, body: Body) -> None:
         """At most ``max_logprobs`` alternatives per token (``logprobs`` / ``top_logprobs``)."""
@@ -171,7 +172,7 @@ class Admission:
                 prompt_token_ids=ids,
                 sampling=self.sampling(body, mt, logprobs),
                 priority_class=sched.priority_class,
-                priority_level=sched.priority_level,
+                priority=sched.priority,
                 slo_ttft_ms=sched.slo_ttft_ms,
                 slo_tpot_ms=sched.slo_tpot_ms,
                 eos_token_id=self.info.eos_token_ids[0] if self.info.eos_token_ids else None,

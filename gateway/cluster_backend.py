@@ -22,8 +22,7 @@ import ray
 from ray.actor import ActorHandle
 
 from bucket_manager.memory_budget import safe_blocks
-from bucket_manager.request import PriorityClass as SummaryClass
-from bucket_manager.request import RequestSummary
+from bucket_manager.request import PriorityClass, RequestSummary
 from engine.request import FinishReason, Request, RequestOutput
 from gateway.backend import ModelInfo, Overloaded, Rejected, ServingBackend, Unavailable
 from gateway.cluster_launch import (
@@ -194,9 +193,8 @@ class RayClusterBackend(ServingBackend):
             request_id=msg.request_id,
             prompt_len=msg.num_prompt_tokens,
             max_tokens=msg.sampling.max_tokens,
-            priority_class=SummaryClass(msg.priority_class),
-            # The engine's priority_level is "higher = more urgent"; the controller's is "smaller first".
-            priority=-msg.priority_level,
+            priority_class=PriorityClass(msg.priority_class),
+            priority=msg.priority,
             arrival=msg.arrival_unix,
             ttft_slo_ms=msg.slo_ttft_ms,
             tpot_slo_ms=msg.slo_tpot_ms,

@@ -336,7 +336,8 @@ def test_priority_and_slo_reach_the_engine(client: httpx.Client, backend: LocalE
     original = backend.engine.add_request
 
     def spy(req):  # runs on the engine thread
-        seen.append((req.priority_class.value, req.priority_level, req.slo_ttft_ms, req.slo_tpot_ms))
+        # The API level (higher = more urgent) is the engine priority (smaller first) negated.
+        seen.append((req.priority_class.value, -req.priority, req.slo_ttft_ms, req.slo_tpot_ms))
         return original(req)
 
     backend.engine.add_request = spy  # type: ignore[method-assign]

@@ -21,12 +21,12 @@ logger = logging.getLogger(__name__)
 
 
 def admission_order(req: Request) -> tuple[int, int]:
-    """Online before offline, then the higher ``priority_level`` first; the engine keeps FCFS among equals.
+    """Online before offline, then the smaller ``priority`` first; the engine keeps FCFS among equals.
 
     Colocated mode has no controller in front of the engine, so the priority classes the gateway assigns
     are applied here, where the backlog forms (the engine's waiting queue).
     """
-    return (0 if req.priority_class == PriorityClass.ONLINE else 1, -req.priority_level)
+    return (0 if req.priority_class == PriorityClass.ONLINE else 1, req.priority)
 
 
 class ColocatedWorker(EngineWorker):

@@ -21,7 +21,7 @@ class RequestMessage:
     # Which gateway drains this request's outputs: workers keep one output buffer per consumer.
     consumer_id: str
     priority_class: str = PriorityClass.ONLINE.value
-    priority_level: int = 0
+    priority: int = 0
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     arrival_unix: float = 0.0
@@ -49,7 +49,7 @@ class RequestMessage:
             sampling=req.sampling,
             consumer_id=consumer_id,
             priority_class=PriorityClass(req.priority_class).value,
-            priority_level=req.priority_level,
+            priority=req.priority,
             slo_ttft_ms=req.slo_ttft_ms,
             slo_tpot_ms=req.slo_tpot_ms,
             arrival_unix=arrival,
@@ -62,7 +62,7 @@ class RequestMessage:
             prompt_token_ids=list(self.prompt_token_ids),
             sampling=self.sampling,
             priority_class=PriorityClass(self.priority_class),
-            priority_level=self.priority_level,
+            priority=self.priority,
             slo_ttft_ms=self.slo_ttft_ms,
             slo_tpot_ms=self.slo_tpot_ms,
             arrival_time=time.monotonic() - max(0.0, time.time() - self.arrival_unix),

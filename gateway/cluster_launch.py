@@ -20,7 +20,7 @@ from bucket_manager.controller import Controller, ControllerConfig
 from bucket_manager.priority import PriorityPolicy
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
-from kv_transfer.config import TransferConfig
+from kv_transfer.config import CLUSTER_TRANSPORTS, TransferConfig
 from monitor import Monitor, MonitorConfig
 from prefill_worker.worker import PrefillWorker
 from worker.actor import EngineWorker
@@ -94,6 +94,11 @@ class ClusterConfig:
             not isinstance(self.ray_num_cpus, int) or self.ray_num_cpus < 1
         ):
             raise ValueError(f"ClusterConfig.ray_num_cpus must be an int >= 1, got {self.ray_num_cpus!r}")
+        if self.kv_transport not in CLUSTER_TRANSPORTS:
+            raise ValueError(
+                f"ClusterConfig.kv_transport must be one of {CLUSTER_TRANSPORTS} (the transports that work "
+                f"between worker actors), got {self.kv_transport!r}"
+            )
         if self.scheduling not in ("buckets", "fcfs"):
             raise ValueError(f"ClusterConfig.scheduling must be 'buckets' or 'fcfs', got {self.scheduling!r}")
         if not self.name or not self.namespace:

@@ -10,7 +10,7 @@ from .base import (
     register_transport,
     transport_names,
 )
-from .config import TransferConfig
+from .config import CLUSTER_TRANSPORTS, TransferConfig
 from .receiver import KVReceiver
 from .streaming import FIRST_TOKEN_PENDING, LayerStreamer
 from .types import (
@@ -23,6 +23,7 @@ from .types import (
 )
 
 __all__ = [
+    "CLUSTER_TRANSPORTS",
     "FIRST_TOKEN_PENDING",
     "FaultInjector",
     "Handshake",

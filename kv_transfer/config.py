@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+# What a cluster of worker actors can run: both ends need only the receiver's address. ``local`` needs
+# both ends in one process and ``torch_dist`` a process group with ranks; they stay for the engine
+# API and their contract tests, but the cluster launcher does not offer them.
+CLUSTER_TRANSPORTS = ("grpc", "shm")
+
 
 def _positive(obj: object, *names: str) -> None:
     for name in names:

@@ -53,6 +53,18 @@ def test_bad_values_name_the_field():
         cluster_config_from_args(args)
 
 
+@pytest.mark.parametrize("name", ["local", "torch_dist"])
+def test_serve_offers_only_transports_it_can_launch(name, tmp_path):
+    # local needs both ends in one process, torch_dist ranks that workers are never given.
+    with pytest.raises(SystemExit):
+        parse(["--kv-transport", name])
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"kv-transport": name}))
+    with pytest.raises(ValueError, match="ClusterConfig.kv_transport"):
+        cluster_config_from_args(apply_config_file(parse(["--config", str(f)])))
+    assert cluster_config_from_args(parse(["--kv-transport", "shm"])).kv_transport == "shm"
+
+
 def test_deploy_serve_config_args_are_serve_keys_with_their_defaults_valid():
     from pathlib import Path
 

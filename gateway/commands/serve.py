@@ -26,6 +26,7 @@ _NOT_CONFIG = {"func", "command", "log_level", "config"}
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from engine.args import add_engine_args
+    from kv_transfer.config import CLUSTER_TRANSPORTS
 
     add_engine_args(p)
     p.add_argument("--config", default=None, help="YAML file whose keys are these flags' names")
@@ -54,7 +55,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument("--colocated-workers", type=int, default=1)
-    p.add_argument("--kv-transport", default="grpc", choices=["grpc", "shm", "local", "torch_dist"])
+    p.add_argument("--kv-transport", default="grpc", choices=list(CLUSTER_TRANSPORTS))
     p.add_argument(
         "--no-kv-stream-layers",
         action="store_true",

@@ -15,6 +15,7 @@ from bench.simulator.capacity import recommend_split
 from bench.simulator.cost_model import CostModel, fit_decode, fit_prefill, nonnegative_lstsq, project
 from bench.simulator.sim import SimConfig, Simulator, max_rate_at, simulate
 from bucket_manager import batch_plan, memory_budget, request_buckets
+from bucket_manager import dispatcher as dispatcher_module
 from gateway.cli import main
 
 SIM_DIR = Path(__file__).resolve().parents[1] / "bench" / "simulator"
@@ -90,10 +91,11 @@ def test_attainment_falls_as_rate_rises(mode: str) -> None:
 
 
 def test_drives_the_bucket_manager_policies(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The simulator calls the controller's own functions, not copies of them.
-    assert sim_module.plan_batch is batch_plan.plan_batch
-    assert sim_module.choose_workers is memory_budget.choose_workers
-    assert sim_module.RequestBuckets is request_buckets.RequestBuckets
+    # The simulator drives the controller's own dispatcher, which calls the policy functions, not copies of them.
+    assert sim_module.Dispatcher is dispatcher_module.Dispatcher
+    assert dispatcher_module.plan_batch is batch_plan.plan_batch
+    assert dispatcher_module.choose_workers is memory_budget.choose_workers
+    assert dispatcher_module.RequestBuckets is request_buckets.RequestBuckets
     calls = {"plan": 0, "adjust": 0}
     real_plan, real_adjust = batch_plan.plan_batch, request_buckets.RequestBuckets.adjust
 
@@ -105,7 +107,7 @@ def test_drives_the_bucket_manager_policies(monkeypatch: pytest.MonkeyPatch) -> 
         calls["adjust"] += 1
         return real_adjust(self, n_max)
 
-    monkeypatch.setattr(sim_module, "plan_batch", spy_plan)
+    monkeypatch.setattr(dispatcher_module, "plan_batch", spy_plan)
     monkeypatch.setattr(request_buckets.RequestBuckets, "adjust", spy_adjust)
     # Far above capacity the queue grows past N_max and Algorithm 1 splits the single bucket.
     loaded = simulate(config(), "mixed", 40.0, 300, seed=0).summary()

@@ -1,12 +1,12 @@
 """Discrete-event simulation of the cluster, driven by the controller's own policy code.
 
-Disaggregated mode follows :class:`bucket_manager.controller.Controller` step for step, with the same imported
-functions: requests queue in :class:`RequestBuckets` (Algorithm 1), ``adjust`` runs with ``N_max`` from
-:meth:`MemoryBudget.capacity`, batches come from :func:`plan_batch`, workers from :func:`choose_workers`
-(prefill: shortest queue; decode: most free KV blocks), and the controller's block reservations (prompt blocks on
-the prefill worker until the batch's KV has left, ``prompt + max_tokens`` on the decode worker until the request
-finishes) bound every batch. A prefill worker holds at most ``max_batches_per_prefill_worker`` batches and runs
-them FCFS; the first token is streamed when the batch ends; each request's KV then crosses to its decode worker
+Disaggregated mode drives the controller's own planning core, :class:`bucket_manager.dispatcher.Dispatcher`,
+configured as the served controller configures it (:meth:`SimConfig.dispatcher_config`): requests queue in
+request buckets (Algorithm 1), batches and workers are chosen by the dispatcher's plan, and its block
+reservations (prompt blocks on the prefill worker until the batch's KV has left, ``prompt + max_tokens`` on the
+decode worker until the request finishes) bound every batch. The simulator tells it what the workers would:
+``batch_done`` when a batch's KV has left, ``forget`` when a request finishes. A prefill worker holds at most
+``max_batches_per_prefill_worker`` batches and runs them FCFS; the first token is streamed when the batch ends; each request's KV then crosses to its decode worker
 (one transfer at a time per prefill worker: they share its link); the decode worker admits it at its next step
 and runs continuous-batching steps over every running request, each step padded to a warmed decode shape.
 
@@ -32,12 +32,13 @@ from bench.simulator.cost_model import CostModel
 from bench.simulator.host import HostModel, SharedCpu
 from bench.sweep import rate_at_target
 from bench.workloads import sample_arrivals, sample_lengths
-from bucket_manager.batch_plan import BatchPlan, plan_batch
-from bucket_manager.memory_budget import MemoryBudget, WorkerStats, blocks_for, choose_workers
+from bucket_manager.batch_plan import BatchPlan
+from bucket_manager.dispatcher import Dispatcher, DispatcherConfig
 from bucket_manager.priority import PriorityPolicy
-from bucket_manager.request import RequestSummary
+from bucket_manager.request import PriorityClass, RequestSummary
 from bucket_manager.request_buckets import RequestBuckets
-from bucket_manager.shape_buckets import ShapeBucketConfig, ShapeBuckets
+from bucket_manager.shape_buckets import ShapeBucketConfig
+from bucket_manager.worker_ledger import WorkerLedger
 from engine.scheduler import RunningSeq, StepLimits, WaitingSeq, plan_step
 
 MODES = ("disaggregated", "colocated")
@@ -56,7 +57,7 @@ class SimConfig:
     theta: float = 0.5
     max_batches_per_prefill_worker: int = 2  # the controller's default
     strategy: str = "exponential"
-    # False: the DistServe-like baseline, one FCFS queue and no length buckets (N_max never reached).
+    # False: the DistServe-like baseline, the controller's ``fcfs`` scheduling (one queue in arrival order).
     request_buckets: bool = True
     # Host CPU contention (workers, gateway and client sharing a few cores); None: every worker has its own
     # device and the host keeps up, as on an accelerator node.
@@ -69,6 +70,32 @@ class SimConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 
+    def shape_config(self) -> ShapeBucketConfig:
+        """The warmed shapes of a worker serving with the cost model's limits."""
+        cost = self.cost
+        return ShapeBucketConfig.from_serving(
+            strategy=self.strategy,
+            block_size=cost.block_size,
+            max_model_len=cost.max_model_len,
+            max_num_seqs=cost.max_num_seqs,
+            max_num_prefill_seqs=cost.max_num_prefill_seqs,
+            max_num_batched_tokens=cost.max_num_batched_tokens,
+            num_blocks=cost.num_blocks,
+        )
+
+    def dispatcher_config(self) -> DispatcherConfig:
+        """What the served controller would plan with: the figures its workers report, and the policy."""
+        return DispatcherConfig(
+            block_size=self.cost.block_size,
+            max_model_len=self.cost.max_model_len,
+            max_num_batched_tokens=self.cost.max_num_batched_tokens,
+            shape_config=self.shape_config(),
+            policy=self.policy,
+            theta=self.theta,
+            max_batches_per_prefill_worker=self.max_batches_per_prefill_worker,
+            scheduling="buckets" if self.request_buckets else "fcfs",
+        )
+
 
 @dataclass
 class SimRequest:
@@ -76,6 +103,9 @@ class SimRequest:
     prompt_len: int
     output_len: int
     arrival: float
+    priority_class: PriorityClass = PriorityClass.ONLINE
+    priority: int = 0
+    ttft_slo_ms: float | None = None
     first_token: float | None = None
     finish: float | None = None
     generated: int = 0
@@ -89,27 +119,48 @@ class SimRequest:
     def num_tokens(self) -> int:
         return self.prompt_len + self.generated
 
+    def summary(self) -> RequestSummary:
+        """What the gateway would submit to the controller for it."""
+        return RequestSummary(
+            self.rid,
+            self.prompt_len,
+            self.output_len,
+            priority_class=self.priority_class,
+            priority=self.priority,
+            arrival=self.arrival,
+            ttft_slo_ms=self.ttft_slo_ms,
+        )
+
 
 @dataclass
 class _Prefill:
     wid: str
-    total_blocks: int
-    reserved: dict[str, int] = field(default_factory=dict)
-    outstanding: dict[int, tuple[str, ...]] = field(default_factory=dict)  # batch id -> its requests
+    ledger: WorkerLedger  # the dispatcher's row for this worker
     unsent: dict[int, set[str]] = field(default_factory=dict)  # batch id -> requests whose KV has not left
     queue: deque = field(default_factory=deque)  # FCFS batches: (batch id, plan, decode worker id)
     busy: bool = False
     link_free_at: float = 0.0
 
+    @property
+    def reserved(self) -> dict[str, int]:
+        return self.ledger.reserved
+
+    @property
+    def outstanding(self) -> dict[int, tuple[str, ...]]:
+        return self.ledger.outstanding
+
 
 @dataclass
 class _Decode:
     wid: str
-    total_blocks: int
-    reserved: dict[str, int] = field(default_factory=dict)
+    ledger: WorkerLedger
     arrived: list[SimRequest] = field(default_factory=list)  # KV received, joins at the next step
     running: list[SimRequest] = field(default_factory=list)
     busy: bool = False
+
+    @property
+    def reserved(self) -> dict[str, int]:
+        return self.ledger.reserved
 
 
 @dataclass
@@ -182,27 +233,13 @@ class Simulator:
         self.config = c = config
         cost = c.cost
         self.cost = cost
-        self.shape_config = ShapeBucketConfig.from_serving(
-            strategy=c.strategy,
-            block_size=cost.block_size,
-            max_model_len=cost.max_model_len,
-            max_num_seqs=cost.max_num_seqs,
-            max_num_prefill_seqs=cost.max_num_prefill_seqs,
-            max_num_batched_tokens=cost.max_num_batched_tokens,
-            num_blocks=cost.num_blocks,
-        )
-        self.shapes = ShapeBuckets(self.shape_config)
-        self.queue = RequestBuckets(
-            cost.max_model_len, self.shapes.prompt_query_lens, c.theta, key=c.policy.key
-        )
+        self.dispatcher = Dispatcher(c.dispatcher_config())
+        self.shape_config = self.dispatcher.config.shape_config
+        self.shapes = self.dispatcher.shapes
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._seq = itertools.count()
         self.requests: dict[str, SimRequest] = {}
-        self.online_streak = 0
-        self._batch_ids = itertools.count(1)
-        self._queued_prompt = 0
-        self._queued_max_tokens = 0
         self.stats: dict[str, Any] = {
             "prefill_batches": 0,
             "decode_steps": 0,
@@ -219,8 +256,13 @@ class Simulator:
         self._contention = (
             (SharedCpu(c.host.cores, lambda: self.now, self._at), c.host) if c.host is not None else None
         )
-        self.prefill = [_Prefill(f"prefill-{i}", cost.num_blocks) for i in range(c.prefill_workers)]
-        self.decode = [_Decode(f"decode-{i}", cost.num_blocks) for i in range(c.decode_workers)]
+        d = self.dispatcher
+        d.set_workers(
+            {f"prefill-{i}": cost.num_blocks for i in range(c.prefill_workers)},
+            {f"decode-{i}": cost.num_blocks for i in range(c.decode_workers)},
+        )
+        self.prefill = [_Prefill(wid, ledger) for wid, ledger in d.prefill.items()]
+        self.decode = [_Decode(wid, ledger) for wid, ledger in d.decode.items()]
         self.colocated = [
             _Colocated(f"colocated-{i}", cost.num_blocks, cost.num_blocks) for i in range(c.colocated_workers)
         ]
@@ -232,15 +274,28 @@ class Simulator:
     def _at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn, args))
 
+    @property
+    def queue(self) -> RequestBuckets:
+        """The controller's queue of requests waiting for prefill."""
+        return self.dispatcher.queue
+
     def run(self, lengths: list[tuple[int, int]], arrivals: list[float]) -> list[SimRequest]:
-        for i, ((inp, out), t) in enumerate(zip(lengths, arrivals, strict=True)):
-            r = SimRequest(f"r{i}", inp, out, t)
+        return self.run_requests(
+            [
+                SimRequest(f"r{i}", inp, out, t)
+                for i, ((inp, out), t) in enumerate(zip(lengths, arrivals, strict=True))
+            ]
+        )
+
+    def run_requests(self, requests: list[SimRequest]) -> list[SimRequest]:
+        """Run a trace: each request arrives at the gateway at its ``arrival``."""
+        for r in requests:
             self.requests[r.rid] = r
             if self._contention is None:
                 # The request reaches the controller after the gateway's hop; its clock started at arrival.
-                self._at(t + self.cost.request_overhead_s, self._arrive, r)
+                self._at(r.arrival + self.cost.request_overhead_s, self._arrive, r)
             else:
-                self._at(t, self._gateway, r)
+                self._at(r.arrival, self._gateway, r)
         while self._events:
             t, _, fn, args = heapq.heappop(self._events)
             self.now = t
@@ -290,68 +345,20 @@ class Simulator:
             w.waiting.append(r)
             self._colocated_kick(w)
             return
-        summary = RequestSummary(r.rid, r.prompt_len, r.output_len, arrival=r.arrival)
-        self.queue.add(summary)
-        self._queued_prompt += r.prompt_len
-        self._queued_max_tokens += r.output_len
+        self.dispatcher.submit(r.summary())
         self._plan_all()
 
     # ------------------------------------------------------------------ controller (disaggregated)
-    def _free(self, total: int, reserved: dict[str, int]) -> int:
-        return max(0, total - sum(reserved.values()))
-
     def _plan_all(self) -> None:
-        """The controller's planning loop, with the same policy calls in the same order."""
-        cfg = self.config
-        while len(self.queue):
-            prefill = [
-                WorkerStats(p.wid, self._free(p.total_blocks, p.reserved), len(p.outstanding))
-                for p in self.prefill
-                if len(p.outstanding) < cfg.max_batches_per_prefill_worker
-            ]
-            decode = [
-                WorkerStats(d.wid, self._free(d.total_blocks, d.reserved), len(d.reserved))
-                for d in self.decode
-            ]
-            if not prefill:
-                return
-            p, d = choose_workers(prefill, decode)
-            budget = MemoryBudget.for_workers(
-                p, d, self.cost.block_size, self.cost.max_num_batched_tokens, reserve_output=True
-            )
-            n = len(self.queue)
-            if cfg.request_buckets:
-                n_max = budget.capacity(
-                    self._queued_prompt / n,
-                    self._queued_max_tokens / n,
-                    max(1, self.shapes.max_prompt_batch_size),
-                )
-            else:
-                n_max = n + 1  # never split: one FCFS queue
-            before = self.queue.num_buckets
-            self.queue.adjust(n_max)
-            if self.queue.num_buckets > before:
-                self.stats["bucket_splits"] += self.queue.num_buckets - before
-            self.stats["max_request_buckets"] = max(self.stats["max_request_buckets"], self.queue.num_buckets)
-            plan = plan_batch(self.queue, self.shapes, budget, cfg.policy, self.now, self.online_streak)
-            if plan is None:
-                return
-            self._dispatch(plan, self._prefill_by_id[p.worker_id], self._decode_by_id[d.worker_id])
-
-    def _dispatch(self, plan: BatchPlan, p: _Prefill, d: _Decode) -> None:
-        bs = self.cost.block_size
-        batch_id = next(self._batch_ids)
-        for rid in plan.request_ids:
-            s = self.queue.remove(rid)
-            self._queued_prompt -= s.prompt_len
-            self._queued_max_tokens -= s.max_tokens
-            p.reserved[rid] = blocks_for(s.prompt_len, bs)
-            d.reserved[rid] = blocks_for(min(s.prompt_len + s.max_tokens, self.cost.max_model_len), bs)
-        p.outstanding[batch_id] = plan.request_ids
-        p.unsent[batch_id] = set(plan.request_ids)
-        self.online_streak = 0 if plan.priority_class.value == "offline" else self.online_streak + 1
-        p.queue.append((batch_id, plan, d.wid))
-        self._prefill_kick(p)
+        """The controller's planning round: every batch the dispatcher plans goes to its prefill worker."""
+        d = self.dispatcher
+        for batch in d.plan(self.now):
+            p = self._prefill_by_id[batch.prefill_id]
+            p.unsent[batch.batch_id] = set(batch.request_ids)
+            p.queue.append((batch.batch_id, batch.plan, batch.decode_id))
+            self._prefill_kick(p)
+        self.stats["bucket_splits"] = d.bucket_splits
+        self.stats["max_request_buckets"] = d.max_request_buckets
 
     # ------------------------------------------------------------------ prefill worker
     def _prefill_shape(self, plan: BatchPlan) -> tuple[int, int]:
@@ -384,7 +391,7 @@ class Simulator:
                 # Done at its first token: nothing to send, so it does not hold the batch back.
                 r.done = True
                 finished.append(r)
-                self._release(r, did)
+                self._release(r)
                 p.unsent[batch_id].discard(rid)
             else:
                 sends.append(r)
@@ -414,11 +421,11 @@ class Simulator:
     def _batch_left(self, p: _Prefill, batch_id: int) -> None:
         """``batch_done``: every request of the batch has left, its prompt reservations end."""
         p.unsent.pop(batch_id, None)
-        for rid in p.outstanding.pop(batch_id, ()):
-            p.reserved.pop(rid, None)
+        self.dispatcher.batch_done(p.wid, batch_id)
 
-    def _release(self, r: SimRequest, did: str) -> None:
-        self._decode_by_id[did].reserved.pop(r.rid, None)
+    def _release(self, r: SimRequest) -> None:
+        """The request has finished: the gateway releases it, its decode reservation ends."""
+        self.dispatcher.forget(r.rid)
 
     # ------------------------------------------------------------------ decode worker
     def _decode_kick(self, d: _Decode) -> None:
@@ -454,7 +461,7 @@ class Simulator:
                 if not r.done:
                     keep.append(r)
                 else:
-                    self._release(r, d.wid)
+                    self._release(r)
             d.running = keep
         self._decode_kick(d)
         if finished:

@@ -1,0 +1,317 @@
+"""The controller's planning core: the queue of requests waiting for prefill, the workers' block ledgers, and the
+loop that turns both into dispatched batches. Pure: no Ray, no I/O, no clock (the caller passes ``now``).
+
+The served controller (:mod:`bucket_manager.controller`) wraps it in a Ray actor; the capacity simulator drives
+the same object on simulated time, so both plan with one piece of code.
+
+Requests queue in :class:`RequestBuckets` (Algorithm 1); each planning round re-runs ``adjust`` with ``N_max``
+from :meth:`MemoryBudget.capacity`, picks the prefill worker (shortest queue) and the decode worker (most free KV
+blocks) with :func:`choose_workers`, and forms a batch with :func:`plan_batch`. A dispatched request reserves its
+prompt's blocks on its prefill worker until the batch's KV has left (:meth:`Dispatcher.batch_done`) and
+``prompt + max_tokens`` blocks on its decode worker until it finishes (:meth:`Dispatcher.forget`), so the budget
+never counts a block twice even when the monitor's figures lag a step behind.
+
+``fcfs`` scheduling is one bucket served in arrival order whatever the class or priority (the DistServe-like
+baseline): the queue is keyed by arrival, every queued request is online with priority 0, and ``adjust`` never
+runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from bucket_manager.batch_plan import BatchPlan, plan_batch
+from bucket_manager.memory_budget import MemoryBudget, WorkerStats, blocks_for, choose_workers
+from bucket_manager.priority import PriorityPolicy
+from bucket_manager.request import PriorityClass, RequestSummary
+from bucket_manager.request_buckets import RequestBuckets
+from bucket_manager.shape_buckets import ShapeBucketConfig, ShapeBuckets
+from bucket_manager.worker_ledger import WorkerLedger
+
+# ``buckets``: adaptive request buckets and the priority policy (the product). ``fcfs``: one bucket, served in
+# arrival order whatever the class or priority (the DistServe-like baseline the benchmarks compare against).
+SCHEDULING = ("buckets", "fcfs")
+
+
+def _arrival_order(request: RequestSummary) -> tuple[float, ...]:
+    return (request.arrival,)
+
+
+def check_planning_config(config: Any) -> None:
+    """Validate the planning fields of ``config`` (a :class:`DispatcherConfig` or the controller's config);
+    messages name the config's own type."""
+    owner = type(config).__name__
+    if config.scheduling not in SCHEDULING:
+        raise ValueError(f"{owner}.scheduling must be one of {SCHEDULING}, got {config.scheduling!r}")
+    for name in ("block_size", "max_model_len", "max_num_batched_tokens", "max_batches_per_prefill_worker"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{owner}.{name} must be an int >= 1, got {value!r}")
+    if not isinstance(config.max_attempts, int) or config.max_attempts < 1:
+        raise ValueError(f"{owner}.max_attempts must be an int >= 1, got {config.max_attempts!r}")
+    if not 0.0 <= config.theta < 1.0:
+        raise ValueError(f"{owner}.theta must be in [0, 1), got {config.theta!r}")
+    if not isinstance(config.shape_config, ShapeBucketConfig):
+        raise ValueError(f"{owner}.shape_config must be a ShapeBucketConfig")
+
+
+@dataclass(frozen=True)
+class DispatcherConfig:
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    shape_config: ShapeBucketConfig
+    policy: PriorityPolicy = field(default_factory=PriorityPolicy)
+    theta: float = 0.5
+    # Batches a prefill worker may hold (one running, one queued): the rest wait here, where priorities apply.
+    max_batches_per_prefill_worker: int = 2
+    # Prefill attempts of one request (a decode worker refused or died, a transfer failed) before it fails.
+    max_attempts: int = 4
+    scheduling: str = "buckets"
+
+    def __post_init__(self) -> None:
+        check_planning_config(self)
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One batch to hand to a prefill worker; ``payloads`` are the submitted payloads, in the plan's order."""
+
+    batch_id: int
+    prefill_id: str
+    decode_id: str
+    plan: BatchPlan
+    payloads: tuple[object, ...]
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        return self.plan.request_ids
+
+
+class Dispatcher:
+    """``on_buckets`` is called after each planning round's ``adjust`` (the controller publishes the buckets)."""
+
+    def __init__(
+        self, config: DispatcherConfig, on_buckets: Callable[[RequestBuckets], None] | None = None
+    ) -> None:
+        self.config = config
+        self.shapes = ShapeBuckets(config.shape_config)
+        self.fcfs = config.scheduling == "fcfs"
+        self.queue = RequestBuckets(
+            config.max_model_len,
+            self.shapes.prompt_query_lens,
+            config.theta,
+            key=_arrival_order if self.fcfs else config.policy.key,
+        )
+        self.on_buckets = on_buckets
+        self.prefill: dict[str, WorkerLedger] = {}
+        self.decode: dict[str, WorkerLedger] = {}
+        self.payloads: dict[str, object] = {}
+        self.summaries: dict[str, RequestSummary] = {}
+        self.placement: dict[str, tuple[str, str]] = {}  # request id -> (prefill id, decode id)
+        self.attempts: dict[str, int] = {}
+        self.online_streak = 0
+        self.batches = 0
+        self.bucket_splits = 0
+        self.max_request_buckets = 1
+        self._batch_seq = 0
+        self._queued_prompt = 0
+        self._queued_max_tokens = 0
+        self._reported: dict[str, int] = {}
+        self._down: set[str] = set()
+
+    # ------------------------------------------------------------------ workers
+    def set_workers(self, prefill: Mapping[str, int], decode: Mapping[str, int]) -> None:
+        """Worker id -> KV blocks in its cache; starts fresh ledgers."""
+        self.prefill = {w: WorkerLedger(w, n) for w, n in prefill.items()}
+        self.decode = {w: WorkerLedger(w, n) for w, n in decode.items()}
+
+    def update_stats(self, free_blocks: Mapping[str, int], down: Iterable[str]) -> None:
+        """The monitor's latest figures: free KV blocks per worker, and the workers it sees as down."""
+        self._reported = dict(free_blocks)
+        self._down = set(down)
+
+    def mark_down(self, worker_id: str) -> bool:
+        """True when the worker was alive until now."""
+        newly = False
+        for pool in (self.prefill, self.decode):
+            w = pool.get(worker_id)
+            if w is not None and w.alive:
+                w.alive = False
+                newly = True
+        return newly
+
+    def _usable(self, w: WorkerLedger) -> bool:
+        return w.alive and w.worker_id not in self._down
+
+    # ------------------------------------------------------------------ requests
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self.summaries
+
+    def submit(self, summary: RequestSummary, payload: object = None) -> None:
+        rid = summary.request_id
+        if rid in self.summaries:
+            raise ValueError(f"request_id {rid!r} is already in the cluster")
+        self.summaries[rid] = summary
+        self.payloads[rid] = payload
+        self.attempts[rid] = 0
+        self._enqueue(summary)
+
+    def forget(self, request_id: str) -> None:
+        """The request has ended (finished, aborted, given up): out of the queue, its decode reservation free."""
+        if request_id in self.queue:
+            self._dequeue(request_id)
+        self.summaries.pop(request_id, None)
+        self.payloads.pop(request_id, None)
+        self.attempts.pop(request_id, None)
+        placed = self.placement.pop(request_id, None)
+        if placed is not None and placed[1] in self.decode:
+            self.decode[placed[1]].reserved.pop(request_id, None)
+        # The prefill reservation stays until batch_done: the blocks are in use there until then.
+
+    def batch_done(self, prefill_id: str, batch_id: int) -> None:
+        """Every request of the batch has left the prefill worker: their prompt reservations end."""
+        w = self.prefill.get(prefill_id)
+        if w is not None:
+            for rid in w.outstanding.pop(batch_id, ()):
+                w.reserved.pop(rid, None)
+
+    def requeue(self, request_id: str) -> bool:
+        """A prefilled request could not reach its decode worker: queue it again, or give it up (False) after
+        ``max_attempts``. False too when it has ended meanwhile."""
+        summary = self.summaries.get(request_id)
+        if summary is None:
+            return False
+        placed = self.placement.pop(request_id, None)
+        if placed is not None and placed[1] in self.decode:
+            self.decode[placed[1]].reserved.pop(request_id, None)
+        self.attempts[request_id] = self.attempts.get(request_id, 0) + 1
+        if self.attempts[request_id] >= self.config.max_attempts:
+            self.forget(request_id)
+            return False
+        if request_id not in self.queue:
+            self._enqueue(summary)
+        return True
+
+    def stranded_by(self, worker_id: str) -> tuple[list[str], list[str]]:
+        """A worker died: (requests placed on it as decode worker, requests in its batches as prefill worker).
+        Its prefill ledger is emptied; nothing is forgotten yet (see :meth:`give_up`)."""
+        on_decode = [rid for rid, (_, did) in self.placement.items() if did == worker_id]
+        in_batches: list[str] = []
+        dead_prefill = self.prefill.get(worker_id)
+        if dead_prefill is not None:
+            in_batches = [
+                rid for rids in dead_prefill.outstanding.values() for rid in rids if rid in self.summaries
+            ]
+            dead_prefill.outstanding.clear()
+            dead_prefill.reserved.clear()
+        return on_decode, in_batches
+
+    def give_up(self, lost: list[str]) -> list[str]:
+        """Forget the lost requests, or every request once no prefill or no decode worker is left alive (they
+        would otherwise wait for ever); returns the ids forgotten."""
+        pools = (self.prefill, self.decode)
+        if any(pool and not any(w.alive for w in pool.values()) for pool in pools):
+            lost = list(self.summaries)
+        for rid in lost:
+            self.forget(rid)
+        return lost
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, now: float) -> list[Dispatch]:
+        """Dispatch batches while the queue holds requests, a prefill worker has room and the most urgent
+        request fits; ``now`` is on the clock of the requests' ``arrival``."""
+        dispatched: list[Dispatch] = []
+        while len(self.queue):
+            prefill = [
+                WorkerStats(w.worker_id, w.free_blocks(self._reported.get(w.worker_id)), len(w.outstanding))
+                for w in self.prefill.values()
+                if self._usable(w) and len(w.outstanding) < self.config.max_batches_per_prefill_worker
+            ]
+            decode = [
+                WorkerStats(w.worker_id, w.free_blocks(self._reported.get(w.worker_id)), len(w.reserved))
+                for w in self.decode.values()
+                if self._usable(w)
+            ]
+            if not prefill or not decode:
+                break
+            p, d = choose_workers(prefill, decode)
+            budget = MemoryBudget.for_workers(
+                p, d, self.config.block_size, self.config.max_num_batched_tokens, reserve_output=True
+            )
+            n = len(self.queue)
+            n_max = budget.capacity(
+                self._queued_prompt / n,
+                self._queued_max_tokens / n,
+                max(1, self.shapes.max_prompt_batch_size),
+            )
+            if not self.fcfs:  # FCFS keeps the single bucket the queue starts with
+                before = self.queue.num_buckets
+                self.queue.adjust(n_max)
+                self.bucket_splits += max(0, self.queue.num_buckets - before)
+                self.max_request_buckets = max(self.max_request_buckets, self.queue.num_buckets)
+            if self.on_buckets is not None:
+                self.on_buckets(self.queue)
+            plan = plan_batch(self.queue, self.shapes, budget, self.config.policy, now, self.online_streak)
+            if plan is None:
+                break  # the most urgent request does not fit yet: wait for blocks to come back
+            dispatched.append(self._dispatch(plan, self.prefill[p.worker_id], self.decode[d.worker_id]))
+        return dispatched
+
+    def _dispatch(self, plan: BatchPlan, p: WorkerLedger, d: WorkerLedger) -> Dispatch:
+        self._batch_seq += 1
+        bs = self.config.block_size
+        for rid in plan.request_ids:
+            self._dequeue(rid)
+            s = self.summaries[rid]
+            p.reserved[rid] = blocks_for(s.prompt_len, bs)
+            d.reserved[rid] = blocks_for(min(s.prompt_len + s.max_tokens, self.config.max_model_len), bs)
+            self.placement[rid] = (p.worker_id, d.worker_id)
+        p.outstanding[self._batch_seq] = plan.request_ids
+        self.online_streak = 0 if plan.priority_class.value == "offline" else self.online_streak + 1
+        self.batches += 1
+        payloads = tuple(self.payloads[rid] for rid in plan.request_ids)
+        return Dispatch(self._batch_seq, p.worker_id, d.worker_id, plan, payloads)
+
+    def _enqueue(self, summary: RequestSummary) -> None:
+        if self.fcfs:
+            # One class and one priority in the queue, so batches follow arrival alone; the stored summary
+            # keeps the request's own class for everything else.
+            summary = dataclasses.replace(summary, priority_class=PriorityClass.ONLINE, priority=0)
+        self.queue.add(summary)
+        self._queued_prompt += summary.prompt_len
+        self._queued_max_tokens += summary.max_tokens
+
+    def _dequeue(self, request_id: str) -> None:
+        s = self.queue.remove(request_id)
+        self._queued_prompt -= s.prompt_len
+        self._queued_max_tokens -= s.max_tokens
+
+    # ------------------------------------------------------------------ reporting
+    def state(self) -> dict:
+        return {
+            "queued": len(self.queue),
+            "buckets": self.queue.bounds(),
+            "bucket_sizes": self.queue.sizes(),
+            "batches": self.batches,
+            "in_cluster": len(self.summaries),
+            "prefill": {
+                w.worker_id: {
+                    "reserved": w.reserved_blocks(),
+                    "outstanding": len(w.outstanding),
+                    "alive": w.alive,
+                }
+                for w in self.prefill.values()
+            },
+            "decode": {
+                w.worker_id: {
+                    "reserved": w.reserved_blocks(),
+                    "requests": len(w.reserved),
+                    "alive": w.alive,
+                }
+                for w in self.decode.values()
+            },
+        }

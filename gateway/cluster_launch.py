@@ -230,7 +230,7 @@ def launch_cluster(config: ClusterConfig) -> ClusterHandles:
     return handles
 
 
-def _controller_config(config: ClusterConfig, info: WorkerInfo) -> ControllerConfig:
+def controller_config(config: ClusterConfig, info: WorkerInfo) -> ControllerConfig:
     return ControllerConfig(
         block_size=info.block_size,
         max_model_len=info.max_model_len,
@@ -256,7 +256,7 @@ def _launch_controller(handles: ClusterHandles, life: dict[str, str]) -> ActorHa
             max_concurrency=1000,
             **life,
         )
-        .remote(_controller_config(config, handles.engine_info()))
+        .remote(controller_config(config, handles.engine_info()))
     )
     # The controller's ledger rows: actor name -> (handle, KV blocks).
     prefill = {n: (h, infos[n].kv_blocks_total) for n, h in handles.by_role("prefill").items()}

@@ -26,6 +26,8 @@ from bucket_manager.controller import Controller, ControllerConfig
 from bucket_manager.priority import PriorityPolicy
 from bucket_manager.request import PriorityClass
 from bucket_manager.shape_buckets import ShapeBucketConfig
+from gateway.cluster_launch import ClusterConfig, controller_config
+from worker.info import WorkerInfo
 
 # Few KV blocks, so batches wait for memory and the reservations, not only the queue, shape the plans.
 TIGHT = replace(COST, num_blocks=600)
@@ -66,7 +68,8 @@ def sim_config(scheduling: str, online_order: str) -> SimConfig:
 
 
 def served_config(scheduling: str, online_order: str) -> ControllerConfig:
-    """As ``gateway/cluster.py`` builds it: the workers' figures (their engine's shapes) and the serve flags."""
+    """What ``serve`` builds: the launcher's own function, from the serve flags and a worker's reported
+    facts (its engine's shapes), so a divergence in how the served controller is configured shows here."""
     shapes = ShapeBucketConfig.from_serving(
         strategy="exponential",
         block_size=TIGHT.block_size,
@@ -76,14 +79,28 @@ def served_config(scheduling: str, online_order: str) -> ControllerConfig:
         max_num_batched_tokens=TIGHT.max_num_batched_tokens,
         num_blocks=TIGHT.num_blocks,
     )
-    return ControllerConfig(
+    info = WorkerInfo(
+        worker_id="bucketserve:prefill-0",
+        role="prefill",
+        warmed=True,
+        startup_s=0.0,
+        warmup={},
+        kv_blocks_total=TIGHT.num_blocks,
         block_size=TIGHT.block_size,
         max_model_len=TIGHT.max_model_len,
         max_num_batched_tokens=TIGHT.max_num_batched_tokens,
         shape_config=shapes,
-        policy=PriorityPolicy(online_order=online_order, max_online_wait_s=0.5),
-        scheduling=scheduling,
+        eos_token_ids=(),
+        model_path="",
     )
+    cluster = ClusterConfig(
+        prefill_workers=2,
+        decode_workers=2,
+        scheduling=scheduling,
+        policy=PriorityPolicy(online_order=online_order, max_online_wait_s=0.5),
+    )
+    # No monitor in this replay: the dispatcher plans from the ledgers alone, as the simulator does.
+    return replace(controller_config(cluster, info), monitor_name=None)
 
 
 def simulate_recorded(config: SimConfig, requests: list[SimRequest]) -> tuple[Simulator, list[tuple]]:

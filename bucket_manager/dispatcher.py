@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bucket_manager.batch_plan import BatchPlan, plan_batch
-from bucket_manager.memory_budget import MemoryBudget, WorkerStats, blocks_for, choose_workers
+from bucket_manager.memory_budget import MemoryBudget, WorkerLoad, blocks_for, choose_workers
 from bucket_manager.priority import PriorityPolicy
 from bucket_manager.request import PriorityClass, RequestSummary
 from bucket_manager.request_buckets import RequestBuckets
@@ -227,12 +227,12 @@ class Dispatcher:
         dispatched: list[Dispatch] = []
         while len(self.queue):
             prefill = [
-                WorkerStats(w.worker_id, w.free_blocks(self._reported.get(w.worker_id)), len(w.outstanding))
+                WorkerLoad(w.worker_id, w.free_blocks(self._reported.get(w.worker_id)), len(w.outstanding))
                 for w in self.prefill.values()
                 if self._usable(w) and len(w.outstanding) < self.config.max_batches_per_prefill_worker
             ]
             decode = [
-                WorkerStats(w.worker_id, w.free_blocks(self._reported.get(w.worker_id)), len(w.reserved))
+                WorkerLoad(w.worker_id, w.free_blocks(self._reported.get(w.worker_id)), len(w.reserved))
                 for w in self.decode.values()
                 if self._usable(w)
             ]

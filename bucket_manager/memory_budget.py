@@ -63,8 +63,9 @@ def n_max(lengths: Iterable[int], budget_blocks: int, block_size: int) -> int:
 
 
 @dataclass(frozen=True)
-class WorkerStats:
-    """A worker as the monitor last saw it."""
+class WorkerLoad:
+    """What placement needs of a worker: its free KV blocks and its queue (the monitor's full record is
+    ``monitor.records.WorkerStats``)."""
 
     worker_id: str
     free_blocks: int
@@ -136,8 +137,8 @@ class MemoryBudget:
     @classmethod
     def for_workers(
         cls,
-        prefill: WorkerStats,
-        decode: WorkerStats,
+        prefill: WorkerLoad,
+        decode: WorkerLoad,
         block_size: int,
         max_num_batched_tokens: int,
         **options,
@@ -152,8 +153,8 @@ class MemoryBudget:
 
 
 def choose_workers(
-    prefill: Iterable[WorkerStats], decode: Iterable[WorkerStats]
-) -> tuple[WorkerStats, WorkerStats]:
+    prefill: Iterable[WorkerLoad], decode: Iterable[WorkerLoad]
+) -> tuple[WorkerLoad, WorkerLoad]:
     """Prefill: the shortest queue (then most free blocks); decode: the most free KV blocks (then shortest queue)."""
     prefill_list, decode_list = list(prefill), list(decode)
     if not prefill_list:

@@ -10,7 +10,7 @@ from bucket_manager.batch_plan import plan_batch
 from bucket_manager.memory_budget import (
     MemoryBudget,
     ModelGeometry,
-    WorkerStats,
+    WorkerLoad,
     blocks_from_bytes,
     choose_workers,
     n_max,
@@ -67,12 +67,12 @@ def test_capacity_is_bounded_by_every_limit():
 
 def test_choose_workers():
     p, d = choose_workers(
-        [WorkerStats("p0", 10, queue_len=3), WorkerStats("p1", 5, queue_len=1)],
-        [WorkerStats("d0", 100), WorkerStats("d1", 300, queue_len=9)],
+        [WorkerLoad("p0", 10, queue_len=3), WorkerLoad("p1", 5, queue_len=1)],
+        [WorkerLoad("d0", 100), WorkerLoad("d1", 300, queue_len=9)],
     )
     assert (p.worker_id, d.worker_id) == ("p1", "d1")
     with pytest.raises(ValueError, match="free_blocks"):
-        WorkerStats("x", -1)
+        WorkerLoad("x", -1)
 
 
 def test_online_goes_first_by_arrival_or_deadline():

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 
-from kv_transfer import ReceivedKV, create_transport
+from kv_transfer import ReceivedKV
 from worker.actor import EngineWorker
 from worker.config import WorkerConfig
 from worker.info import WorkerInfo
@@ -31,9 +31,7 @@ class DecodeWorker(EngineWorker):
 
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
-        self.transport = create_transport(
-            config.kv_transport, self.engine.kv_cache, self.engine.allocator, config.transfer
-        )
+        self.transport = self._open_kv_transport()
         self.address = self.transport.serve()
         self._lock = threading.Lock()  # guards the dicts below (not the engine: only the loop uses it)
         self._expected: dict[str, PrefilledMessage] = {}

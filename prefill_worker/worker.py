@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 
 from engine.request import FinishReason, Request, RequestOutput
-from kv_transfer import KVTransferError, create_transport
+from kv_transfer import KVTransferError
 from kv_transfer.streaming import LayerStreamer
 from monitor.records import BatchRecord
 from worker.actor import EngineWorker, lookup_actor
@@ -38,9 +38,7 @@ class PrefillWorker(EngineWorker):
 
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
-        self.transport = create_transport(
-            config.kv_transport, self.engine.kv_cache, self.engine.allocator, config.transfer
-        )
+        self.transport = self._open_kv_transport()
         self._cond = threading.Condition()
         self._queue: collections.deque[tuple[int, list[tuple[RequestMessage, str]]]] = collections.deque()
         self._in_progress = 0  # batches taken off the queue whose transfers are not all done

@@ -12,6 +12,7 @@ import torch
 
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput
+from kv_transfer import KVTransport, create_transport
 from monitor.records import WorkerStats
 from worker.config import WorkerConfig
 from worker.heartbeat import Heartbeat, engine_worker_stats
@@ -60,6 +61,11 @@ class EngineWorker:
         self._latency_ms: float | None = None
         self._integrity_error: str | None = None
         self.heartbeat = Heartbeat(lookup_actor(config.monitor_name), self._stats, config.heartbeat_s)
+
+    def _open_kv_transport(self) -> KVTransport:
+        """The KV transport of a disaggregated role, over this worker's cache and allocator."""
+        c = self.config
+        return create_transport(c.kv_transport, self.engine.kv_cache, self.engine.allocator, c.transfer)
 
     def _start(self, loop) -> None:
         self._thread = threading.Thread(target=loop, name=f"{self.role}-loop", daemon=True)

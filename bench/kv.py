@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
+from bench.kv_endpoint import EndpointProcess
 from engine.block_allocator import BlockAllocator
 from engine.kv_cache import KVCache, KVCacheSpec
 from kv_transfer import TransferConfig, create_transport
-from kv_transfer.endpoint import EndpointProcess
 
 SMALL_SPEC = KVCacheSpec(
     architecture="LlamaForCausalLM", num_layers=8, num_kv_heads=4, head_dim=64, block_size=16

@@ -52,6 +52,9 @@ from pathlib import Path
 
 import numpy as np
 
+# Where the committed calibrations (and the simulator's other reports) are kept.
+REPORTS_DIR = Path(__file__).resolve().parents[1] / "reports"
+
 PREFILL_TERMS = ("prefill_base_s", "prefill_per_seq_s", "prefill_per_token_s", "prefill_per_attn_s")
 DECODE_TERMS = ("decode_base_s", "decode_per_seq_s", "decode_per_block_s")
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SIM_DIR = Path(__file__).resolve().parents[2] / "bench" / "simulator"
+SIM_DIR = Path(__file__).resolve().parents[2] / "bench" / "reports"
 
 
 def _rates(text: str) -> list[float]:

@@ -14,6 +14,7 @@ import math
 import sys
 from typing import Any
 
+from bench.client import run_benchmark
 from bench.workloads import DEFAULT_DATASET
 
 # --------------------------------------------------------------------------- command line
@@ -94,7 +95,6 @@ def _model_max_len(model: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.client import run_benchmark
     from bench.report import write_report
     from bench.workload_requests import make_requests, parse_priority_mix
     from bench.workloads import load_alpaca_texts

@@ -12,9 +12,11 @@ import os
 import shlex
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench.client import run_benchmark
 from bench.server_process import ServerProcess, free_port, wait_healthy
 from bench.sweep_report import SYSTEMS, SystemRun
 
@@ -68,10 +70,6 @@ async def measure_unloaded(
 ) -> dict[str, float | None]:
     """TTFT and TPOT of one request alone (the median prompt), the median of ``repeats`` runs after one
     discarded warm run."""
-    from dataclasses import replace
-
-    from bench.client import run_benchmark
-
     req = replace(probe, send_at=0.0, output_len=max(probe.output_len, min_output))
     ttfts, tpots = [], []
     for i in range(repeats + 1):
@@ -104,8 +102,6 @@ def run_system(
 ) -> SystemRun:
     """Start, measure and stop one system. ``make(rate)`` builds the requests; ``slo_for(run)`` gives the
     (TTFT, TPOT) bounds once the system's unloaded figures are known."""
-    from bench.client import run_benchmark
-
     port = free_port()
     cmd, env = system_command(system, args, port)
     run = SystemRun(system, cmd)

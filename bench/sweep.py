@@ -1,9 +1,10 @@
 """``bucketserve bench sweep``: SLO attainment vs request rate, system by system, on this machine.
 
-Each system is started in turn as its own process group (``bucketserve serve ...`` on a free 127.0.0.1 port, or
-``vllm serve`` from its own virtual environment), waited on until ``/health`` answers, measured unloaded once
-(one median-length prompt of the workload, alone), then loaded with the online client (:mod:`bench.client`) at
-each rate, and stopped (the whole process group; nothing outlives it). Systems:
+Each system is started in turn as its own process group (``bucketserve serve ...`` on a free 127.0.0.1 port, the
+static batching baseline :mod:`bench.baselines.static_batching`, or ``vllm serve`` from its own virtual
+environment), waited on until ``/health`` answers, measured unloaded once (one median-length prompt of the
+workload, alone), then loaded with the online client (:mod:`bench.client`) at each rate, and stopped (the whole
+process group; nothing outlives it). Systems:
 
 * ``ours`` (a): disaggregated prefill/decode, adaptive request buckets and priority policies;
 * ``fcfs`` (b): the same cluster with one FCFS queue and no request buckets (a DistServe-like baseline);

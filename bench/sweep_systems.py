@@ -39,6 +39,14 @@ def system_command(system: str, args: argparse.Namespace, port: int) -> tuple[li
         ]  # fmt: skip
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
         return cmd, env
+    if system == "static":
+        # The baseline is no product server: bench starts it itself, as many threads as one of our workers.
+        cmd = [
+            sys.executable, "-m", "bench.baselines.static_batching",
+            "--model", args.model, "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", str(args.max_model_len), "--batch-size", str(args.static_batch_size),
+        ]  # fmt: skip
+        return cmd, {}
     cmd = [
         sys.executable, "-m", "gateway.cli", "serve",
         "--model", args.model, "--host", "127.0.0.1", "--port", str(port),
@@ -50,12 +58,9 @@ def system_command(system: str, args: argparse.Namespace, port: int) -> tuple[li
         cmd += ["--mode", "disaggregated", "--scheduling", "fcfs"]
     elif system == "colocated":
         cmd += ["--mode", "colocated", "--colocated-workers", str(args.colocated_workers)]
-    elif system == "static":
-        cmd += ["--mode", "static", "--static-batch-size", str(args.static_batch_size)]
     else:
         raise ValueError(f"unknown system {system!r}; known: {sorted(SYSTEMS)}")
-    if system != "static":
-        cmd += shlex.split(args.serve_args)
+    cmd += shlex.split(args.serve_args)
     return cmd, {}
 
 

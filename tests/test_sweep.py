@@ -133,7 +133,9 @@ def test_system_commands() -> None:
         colo[colo.index("--mode") + 1] == "colocated" and colo[colo.index("--colocated-workers") + 1] == "2"
     )
     static, _ = system_command("static", args, 1)
-    assert static[static.index("--mode") + 1] == "static" and "--skip-warmup" not in static
+    assert (
+        static[static.index("-m") + 1] == "bench.baselines.static_batching" and "--skip-warmup" not in static
+    )
     vllm, env = system_command("vllm", args, 99)
     assert vllm[:2] == ["/opt/v/bin/vllm", "serve"] and "VLLM_CPU_KVCACHE_SPACE" in env
     assert vllm[vllm.index("--served-model-name") + 1] == "small"

@@ -1,4 +1,5 @@
-"""Synthetic workloads: request lengths and arrival times with the statistics of the shared data README.
+"""Synthetic workloads: request lengths and arrival times with the statistics the BucketServe paper reports for
+Alpaca, LongBench and their mix (Fig. 2 and 3), and the uniform ``random`` of common serving benchmarks.
 
 Every function is pure and seeded: the same arguments give the same numbers. Lengths are in tokens.
 

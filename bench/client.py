@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import logging
 import sys
 import time
 from typing import Any
@@ -30,9 +29,6 @@ import httpx
 
 from bench.metrics import BenchResult, RequestOutcome
 from bench.workload_requests import PRIORITY_CLASSES, BenchRequest
-
-logger = logging.getLogger(__name__)
-
 
 # --------------------------------------------------------------------------- one request
 

@@ -15,9 +15,7 @@ import sys
 from typing import Any
 
 from bench.client import run_benchmark
-from bench.workloads import DEFAULT_DATASET
-
-# --------------------------------------------------------------------------- command line
+from bench.workloads import DEFAULT_DATASET, WORKLOADS
 
 
 def _rate(text: str) -> float:
@@ -48,8 +46,6 @@ def _positive_float(text: str) -> float:
 
 
 def register(sub) -> None:
-    from bench.workloads import WORKLOADS
-
     p = sub.add_parser(
         "serve", help="online benchmark of an OpenAI-compatible server: SLO attainment, goodput"
     )

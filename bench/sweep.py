@@ -33,8 +33,6 @@ from bench.sweep_report import SYSTEMS, SystemRun, build_doc, load_kept, write_s
 from bench.sweep_systems import DEFAULT_VLLM_PYTHON, run_system
 from bench.workloads import DEFAULT_DATASET
 
-logger = logging.getLogger(__name__)
-
 DEFAULT_SYSTEMS = ",".join(SYSTEMS)
 REFERENCE = "ours"
 SLO_FACTOR = 5.0

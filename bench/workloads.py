@@ -1,4 +1,5 @@
-"""Synthetic workloads: request lengths and arrival times with the statistics of the shared data README.
+"""Synthetic workloads: request lengths and arrival times with the statistics the BucketServe paper reports for
+Alpaca, LongBench and their mix (Fig. 2 and 3), and the uniform ``random`` of common serving benchmarks.
 
 Every function is pure and seeded: the same arguments give the same numbers. Lengths are in tokens.
 
@@ -145,6 +146,8 @@ def sample_arrivals(n: int, rate: float, seed: int, burstiness: float = 1.0) -> 
 # long part of mixed, random) are synthetic prose, because no long-document corpus ships with the product.
 
 ALPACA_DATASET_NAME = "alpaca_seed_tasks.jsonl"
+# The copy shipped with bench (licence and attribution beside it in bench/data/).
+DEFAULT_DATASET = Path(__file__).resolve().parent / "data" / ALPACA_DATASET_NAME
 
 # Common English words for synthetic documents: frequent words tokenize like ordinary prose, so the
 # server does the same work per token as on real text.

@@ -21,7 +21,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from bench.serve import BenchRequest, percentile, run_benchmark
+from bench.client import run_benchmark
+from bench.metrics import percentile
+from bench.workload_requests import BenchRequest
 from gateway.cli import main as cli_main
 
 # mode -> (seconds to the first token, seconds between tokens)

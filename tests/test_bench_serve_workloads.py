@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serve import DEFAULT_DATASET, assign_priorities, make_requests, parse_priority_mix
+from bench.workload_requests import assign_priorities, make_requests, parse_priority_mix
 from bench.workloads import (
+    DEFAULT_DATASET,
     SHORT_LIMIT,
     WORKLOADS,
     build_prompts,

@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bench.kv_endpoint import EndpointProcess, LocalEndpoint, gather_tokens
+from bench.server_process import free_port
 from engine.block_allocator import BlockAllocator
 from engine.kv_cache import KVCache, KVCacheSpec
 from kv_transfer import FaultInjector, KVTransferError, TransferConfig, TransferStatus, create_transport
-from kv_transfer.endpoint import EndpointProcess, LocalEndpoint, free_port, gather_tokens
 
 SPEC = KVCacheSpec(architecture="LlamaForCausalLM", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)
 SENDER_BLOCKS = 64

@@ -7,10 +7,10 @@ import logging
 import pytest
 import torch
 
+from bench.kv_endpoint import LocalEndpoint, gather_tokens
 from engine.block_allocator import BlockAllocator
 from engine.kv_cache import KVCache, KVCacheSpec
 from kv_transfer import KVTransferError, TransferConfig, TransferStatus, create_transport, transport_names
-from kv_transfer.endpoint import LocalEndpoint, gather_tokens
 
 SPEC = KVCacheSpec(architecture="LlamaForCausalLM", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
 BASE = {"chunk_bytes": 512, "shm_chunk_bytes": 512, "max_message_bytes": 1 << 20, "rpc_timeout_s": 10.0}

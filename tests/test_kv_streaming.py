@@ -9,10 +9,10 @@ import pytest
 import torch
 from engine_helpers import random_prompts, small_config
 
+from bench.kv_endpoint import EndpointProcess, gather_tokens
 from engine.llm_engine import LLMEngine
 from engine.request import Request, SamplingParams
 from kv_transfer import KVTransferError, TransferConfig, TransferStatus, create_transport
-from kv_transfer.endpoint import EndpointProcess, gather_tokens
 from kv_transfer.streaming import FIRST_TOKEN_PENDING, LayerStreamer
 
 # 2 KiB block layers on the tiny model: a 60-token prompt is several chunks per layer.

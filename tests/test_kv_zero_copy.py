@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import kv_transfer.base as kv_base
+from bench.kv_endpoint import EndpointProcess, gather_tokens
 from engine.block_allocator import BlockAllocator
 from engine.kv_cache import KVCache, KVCacheSpec
 from kv_transfer import TransferConfig, create_transport
-from kv_transfer.endpoint import EndpointProcess, gather_tokens
 from kv_transfer.shm import ShmRing
 from kv_transfer.wire import crc32
 

@@ -18,7 +18,7 @@ from bucket_manager import batch_plan, memory_budget, request_buckets
 from bucket_manager import dispatcher as dispatcher_module
 from gateway.cli import main
 
-SIM_DIR = Path(__file__).resolve().parents[1] / "bench" / "simulator"
+REPORTS_DIR = Path(__file__).resolve().parents[1] / "bench" / "reports"
 
 # A small CPU-like model: prefill ~0.4 ms/token, decode steps of 10-30 ms. Stated here, not measured, so the
 # tests do not move when the committed calibration is refreshed.
@@ -199,7 +199,7 @@ def test_cost_model_round_trip_and_committed_calibrations(tmp_path: Path) -> Non
     path = COST.save(tmp_path / "c.json", {"fit": {"x": 1}})
     assert CostModel.load(path) == COST
     for name in ("tiny", "small"):
-        cal = CostModel.load(SIM_DIR / f"calibration_{name}.json")
+        cal = CostModel.load(REPORTS_DIR / f"calibration_{name}.json")
         assert cal.name == name and cal.source.startswith("measured")
         # Costs grow with the work: a longer prompt and a bigger decode batch take longer.
         assert cal.prefill_s(1, 1024) > cal.prefill_s(1, 128) > 0

@@ -13,20 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.sweep import (
-    RateAtTarget,
-    ServerProcess,
-    SystemRun,
-    _rates,
-    _systems,
-    build_doc,
-    derive_slos,
-    median_request,
-    rate_at_target,
-    ratio,
-    system_command,
-    write_sweep_report,
-)
+from bench.metrics import RateAtTarget, rate_at_target, ratio
+from bench.server_process import ServerProcess
+from bench.sweep import _rates, _systems, derive_slos
+from bench.sweep_report import SystemRun, build_doc, write_sweep_report
+from bench.sweep_systems import median_request, system_command
 
 # --------------------------------------------------------------------------- rate at the target
 
@@ -142,7 +133,9 @@ def test_system_commands() -> None:
         colo[colo.index("--mode") + 1] == "colocated" and colo[colo.index("--colocated-workers") + 1] == "2"
     )
     static, _ = system_command("static", args, 1)
-    assert static[static.index("--mode") + 1] == "static" and "--skip-warmup" not in static
+    assert (
+        static[static.index("-m") + 1] == "bench.baselines.static_batching" and "--skip-warmup" not in static
+    )
     vllm, env = system_command("vllm", args, 99)
     assert vllm[:2] == ["/opt/v/bin/vllm", "serve"] and "VLLM_CPU_KVCACHE_SPACE" in env
     assert vllm[vllm.index("--served-model-name") + 1] == "small"
@@ -250,7 +243,7 @@ def _running(pid: int) -> bool:
 
 
 def test_keep_from_carries_the_slos_and_the_systems_not_rerun(tmp_path: Path) -> None:
-    from bench.sweep import load_kept
+    from bench.sweep_report import load_kept
 
     config = {"workload": "mixed", "rates": [1.0, 2.0, 4.0], "model": "small", "target": 0.8}
     doc = build_doc(config, derive_slos({"ours": {"ttft_ms": 40.0, "tpot_ms": 8.0}}), _runs())

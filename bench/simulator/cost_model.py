@@ -44,6 +44,7 @@ card is ``MEMORY_UTILIZATION`` = 0.9 of the card less the weights.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from collections.abc import Sequence
@@ -51,6 +52,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
+
+# Where the committed calibrations (and the simulator's other reports) are kept.
+REPORTS_DIR = Path(__file__).resolve().parents[1] / "reports"
 
 PREFILL_TERMS = ("prefill_base_s", "prefill_per_seq_s", "prefill_per_token_s", "prefill_per_attn_s")
 DECODE_TERMS = ("decode_base_s", "decode_per_seq_s", "decode_per_block_s")
@@ -312,3 +316,21 @@ def project(
         max_num_prefill_seqs=max_num_prefill_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
     )
+
+
+def calibration_path(model: str) -> Path:
+    """Where the calibration of ``model`` is kept (``simulate --calibrate`` writes it there by default)."""
+    return REPORTS_DIR / f"calibration_{model}.json"
+
+
+def load_cost(args: argparse.Namespace) -> CostModel:
+    """The cost model ``bucketserve simulate``'s flags name: a projection for ``--hardware``, else the
+    calibration in ``--calibration`` or the one kept for ``--model``."""
+    if args.hardware:
+        return project(args.hardware, args.projection_model)
+    path = Path(args.calibration) if args.calibration else calibration_path(args.model)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no calibration at {path}: make one with `bucketserve simulate --calibrate --model {args.model}`"
+        )
+    return CostModel.load(path)

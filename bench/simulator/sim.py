@@ -27,10 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.serve import BenchResult, RequestOutcome
+from bench.metrics import BenchResult, RequestOutcome, rate_at_target
 from bench.simulator.cost_model import CostModel
 from bench.simulator.host import HostModel, SharedCpu
-from bench.sweep import rate_at_target
 from bench.workloads import sample_arrivals, sample_lengths
 from bucket_manager.batch_plan import BatchPlan
 from bucket_manager.dispatcher import Dispatcher, DispatcherConfig

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.server_process import ServerProcess, wait_healthy
-from bench.simulator.cost_model import CostModel
+from bench.simulator.cost_model import REPORTS_DIR, CostModel, load_cost
 from bench.simulator.host import HostModel
 from bench.simulator.proc_cpu import cluster_cpu, process_cpu
 from bench.simulator.sim import SimConfig, simulate
@@ -247,7 +247,6 @@ def fit_host(
 
 def run_validation(args: argparse.Namespace) -> int:
     from bench.report import write_report
-    from gateway.commands.simulate import load_cost
 
     if args.calibration_rate is None:
         rates = sorted(args.rates)
@@ -382,7 +381,7 @@ def run_validation(args: argparse.Namespace) -> int:
                 f"{r['measured_tpot_p50_ms']} / {r['simulated_tpot_p50_ms']}",
             )
         )
-    out = args.out or str(REPO_ROOT / "bench" / "simulator" / f"validation_{args.model}")
+    out = args.out or str(REPORTS_DIR / f"validation_{args.model}")
     write_report(out, f"Simulator validation: {args.model}, {args.workload}", result, table)
     if not args.json:
         for row in table:

@@ -33,8 +33,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mode",
         default="disaggregated",
-        choices=["disaggregated", "colocated", "static"],
-        help="static: Hugging Face generate in static batches behind the same API (a baseline; no Ray)",
+        choices=["disaggregated", "colocated"],
+        help="colocated: each worker's one engine does prefill and decode",
     )
     p.add_argument(
         "--scheduling",
@@ -47,10 +47,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default="arrival",
         choices=["arrival", "deadline", "sjf"],
         help="buckets scheduling: order of online requests (sjf: shortest prompt first, oldest after 10 s)",
-    )
-    p.add_argument("--static-batch-size", type=int, default=8, help="static mode: requests per batch")
-    p.add_argument(
-        "--static-max-wait-ms", type=float, default=50.0, help="static mode: wait for a batch to fill"
     )
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
@@ -182,10 +178,6 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.mode == "static":
-        from gateway.static_backend import serve_static
-
-        return serve_static(args)
     import ray
     from ray import serve
 

@@ -1,5 +1,6 @@
-"""The static batching baseline (``serve --mode static``) behind the real HTTP gateway on the tiny model:
-per request, the greedy tokens of a batched, left-padded ``generate`` are Hugging Face's for that prompt alone."""
+"""The static batching baseline of ``bench sweep`` (:mod:`bench.baselines.static_batching`) behind the real HTTP
+gateway on the tiny model: per request, the greedy tokens of a batched, left-padded ``generate`` are Hugging
+Face's for that prompt alone."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import httpx
 import pytest
 from gateway_helpers import HFReference, greedy_completions, serve_app, sse_events
 
+from bench.baselines.static_batching import StaticBatchBackend
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from gateway.static_backend import StaticBatchBackend
 
 PROMPTS = [
     "Hello there",

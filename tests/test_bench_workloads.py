@@ -19,7 +19,7 @@ def test_reproducible_and_within_the_model(workload):
     assert all(i >= 1 and o >= 1 and i + o <= 2048 for i, o in a)
 
 
-def test_statistics_match_the_data_readme():
+def test_statistics_match_the_reported_workloads():
     alpaca = [i for i, _ in sample_lengths("alpaca", 20_000, seed=1)]
     assert 75 <= statistics.mean(alpaca) <= 91
     assert sum(n >= 256 for n in alpaca) / len(alpaca) < 0.05

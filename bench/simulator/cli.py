@@ -17,8 +17,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SIM_DIR = Path(__file__).resolve().parents[2] / "bench" / "simulator"
-
 
 def _rates(text: str) -> list[float]:
     try:
@@ -93,19 +91,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def load_cost(args: argparse.Namespace):
-    from bench.simulator.cost_model import CostModel, project
-
-    if args.hardware:
-        return project(args.hardware, args.projection_model)
-    path = Path(args.calibration) if args.calibration else SIM_DIR / f"calibration_{args.model}.json"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no calibration at {path}: make one with `bucketserve simulate --calibrate --model {args.model}`"
-        )
-    return CostModel.load(path)
-
-
 def _print_rows(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'rate':>6} {'attain':>7} {'goodput':>8} {'ttft p50':>9} {'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9}"
@@ -125,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
         return run_validation(args)
     from bench.simulator.capacity import curve, recommend_split
+    from bench.simulator.cost_model import load_cost
     from bench.simulator.sim import SimConfig
     from bucket_manager.priority import PriorityPolicy
 
@@ -192,9 +178,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from bench.simulator.calibrate import calibrate
+    from bench.simulator.cost_model import calibration_path
     from engine.model_loader import ModelNotFoundError
 
-    out = Path(args.out) if args.out else SIM_DIR / f"calibration_{args.model}.json"
+    out = Path(args.out) if args.out else calibration_path(args.model)
     try:
         cost, extra = calibrate(
             args.model,

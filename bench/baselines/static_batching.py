@@ -1,4 +1,4 @@
-"""Static batching behind the gateway: the Hugging Face ``generate`` baseline (``serve --mode static``).
+"""Static batching behind the gateway: the Hugging Face ``generate`` baseline of ``bucketserve bench sweep``.
 
 The way LLMs were served before continuous batching: a thread collects up to ``batch_size`` requests, or
 whatever arrived within ``max_wait_ms`` of the first one, left-pads them into one batch and runs Hugging Face
@@ -13,9 +13,11 @@ the engine does. Only greedy decoding is offered (a batch shares one ``generate`
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -292,22 +294,49 @@ def _settle(p: _Pending, result: Any) -> None:
         p.loop.call_soon_threadsafe(put)
 
 
-def serve_static(args: Any) -> int:
-    """``bucketserve serve --mode static``: this backend behind the gateway on uvicorn, until Ctrl-C."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.baselines.static_batching",
+        description="Hugging Face generate in static batches behind the OpenAI-compatible gateway (a baseline)",
+    )
+    p.add_argument("--model", default="default", help="built-in model name or checkpoint folder")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
+    p.add_argument("--batch-size", type=int, default=8, help="requests per batch")
+    p.add_argument("--max-wait-ms", type=float, default=50.0, help="wait for a batch to fill")
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads (as one of our workers)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1/*")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    p.add_argument(
+        "--max-pending", type=int, default=256, help="requests waiting beyond the batch before 429"
+    )
+    p.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """This backend behind the gateway on uvicorn, until Ctrl-C."""
     import torch
     import uvicorn
 
     from gateway.app import create_app
     from gateway.settings import GatewaySettings
 
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     # As many threads as each of our workers gets: more threads than free cores slows generate several-fold.
     torch.set_num_threads(args.num_threads)
     t0 = time.perf_counter()
     backend = StaticBatchBackend(
         args.model,
-        batch_size=args.static_batch_size,
-        max_wait_ms=args.static_max_wait_ms,
-        max_model_len=getattr(args, "max_model_len", None),
+        batch_size=args.batch_size,
+        max_wait_ms=args.max_wait_ms,
+        max_model_len=args.max_model_len,
         model_name=args.served_model_name,
         max_queued=args.max_pending,
         dtype=args.dtype,
@@ -315,7 +344,7 @@ def serve_static(args: Any) -> int:
     app = create_app(backend, GatewaySettings(api_key=args.api_key))
     base = f"http://{args.host}:{args.port}"
     print(
-        f"BucketServe (static batching, batch {args.static_batch_size}, wait {args.static_max_wait_ms} ms, "
+        f"BucketServe (static batching, batch {args.batch_size}, wait {args.max_wait_ms} ms, "
         f"{args.num_threads} thread(s)) "
         f"ready in {time.perf_counter() - t0:.1f}s, model {backend.model_info().name!r}",
         flush=True,
@@ -327,3 +356,7 @@ def serve_static(args: Any) -> int:
     finally:
         backend.close()
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,7 +5,6 @@ for benchmarks and cross-process tests (a real separate process, as a decode act
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import traceback
 from typing import Any
 
@@ -13,15 +12,8 @@ import torch
 
 from engine.block_allocator import BlockAllocator
 from engine.kv_cache import KVCache, KVCacheSpec
-
-from .base import KVTransport, create_transport
-from .config import TransferConfig
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kv_transfer.base import KVTransport, create_transport
+from kv_transfer.config import TransferConfig
 
 
 def gather_tokens(cache: KVCache, block_ids: list[int], num_tokens: int) -> torch.Tensor:

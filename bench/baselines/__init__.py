@@ -1,0 +1,1 @@
+"""Baselines the benchmarks compare against: systems that are not part of the product."""

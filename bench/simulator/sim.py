@@ -15,214 +15,34 @@ requests in flight, and each worker runs the engine's step policy (:func:`engine
 prefill first when waiting requests fit, FCFS with same-shape companions, else one decode step.
 
 Time is simulated, costs come from a :class:`CostModel`; results use the benchmark client's own definitions
-(:class:`bench.serve.BenchResult`), so simulated and measured attainment and goodput mean the same thing.
+(:class:`bench.metrics.BenchResult`), so simulated and measured attainment and goodput mean the same thing.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from bench.metrics import BenchResult, RequestOutcome, rate_at_target
-from bench.simulator.cost_model import CostModel
-from bench.simulator.host import HostModel, SharedCpu
+from bench.metrics import rate_at_target
+from bench.simulator.host import SharedCpu
+from bench.simulator.sim_types import (
+    MODES,
+    ColocatedState,
+    DecodeState,
+    PrefillState,
+    SimConfig,
+    SimRequest,
+    SimResult,
+)
 from bench.workloads import sample_arrivals, sample_lengths
 from bucket_manager.batch_plan import BatchPlan
-from bucket_manager.dispatcher import Dispatcher, DispatcherConfig
-from bucket_manager.priority import PriorityPolicy
-from bucket_manager.request import PriorityClass, RequestSummary
+from bucket_manager.dispatcher import Dispatcher
 from bucket_manager.request_buckets import RequestBuckets
-from bucket_manager.shape_buckets import ShapeBucketConfig
-from bucket_manager.worker_ledger import WorkerLedger
 from engine.scheduler import RunningSeq, StepLimits, WaitingSeq, plan_step
 
-MODES = ("disaggregated", "colocated")
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    cost: CostModel
-    mode: str = "disaggregated"
-    prefill_workers: int = 1
-    decode_workers: int = 1
-    colocated_workers: int = 1
-    slo_ttft_ms: float = 450.0
-    slo_tpot_ms: float = 50.0
-    policy: PriorityPolicy = field(default_factory=PriorityPolicy)
-    theta: float = 0.5
-    max_batches_per_prefill_worker: int = 2  # the controller's default
-    strategy: str = "exponential"
-    # False: the DistServe-like baseline, the controller's ``fcfs`` scheduling (one queue in arrival order).
-    request_buckets: bool = True
-    # Host CPU contention (workers, gateway and client sharing a few cores); None: every worker has its own
-    # device and the host keeps up, as on an accelerator node.
-    host: HostModel | None = None
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("prefill_workers", "decode_workers", "colocated_workers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-
-    def shape_config(self) -> ShapeBucketConfig:
-        """The warmed shapes of a worker serving with the cost model's limits."""
-        cost = self.cost
-        return ShapeBucketConfig.from_serving(
-            strategy=self.strategy,
-            block_size=cost.block_size,
-            max_model_len=cost.max_model_len,
-            max_num_seqs=cost.max_num_seqs,
-            max_num_prefill_seqs=cost.max_num_prefill_seqs,
-            max_num_batched_tokens=cost.max_num_batched_tokens,
-            num_blocks=cost.num_blocks,
-        )
-
-    def dispatcher_config(self) -> DispatcherConfig:
-        """What the served controller would plan with: the figures its workers report, and the policy."""
-        return DispatcherConfig(
-            block_size=self.cost.block_size,
-            max_model_len=self.cost.max_model_len,
-            max_num_batched_tokens=self.cost.max_num_batched_tokens,
-            shape_config=self.shape_config(),
-            policy=self.policy,
-            theta=self.theta,
-            max_batches_per_prefill_worker=self.max_batches_per_prefill_worker,
-            scheduling="buckets" if self.request_buckets else "fcfs",
-        )
-
-
-@dataclass
-class SimRequest:
-    rid: str
-    prompt_len: int
-    output_len: int
-    arrival: float
-    priority_class: PriorityClass = PriorityClass.ONLINE
-    priority: int = 0
-    ttft_slo_ms: float | None = None
-    first_token: float | None = None
-    finish: float | None = None
-    generated: int = 0
-    done: bool = False  # its last token is computed (it is stamped with ``finish`` once delivered)
-    first_sent: bool = False  # its first token is computed
-    # colocated: tokens whose KV is in the cache (0 when waiting or preempted)
-    computed: int = 0
-    blocks: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return self.prompt_len + self.generated
-
-    def summary(self) -> RequestSummary:
-        """What the gateway would submit to the controller for it."""
-        return RequestSummary(
-            self.rid,
-            self.prompt_len,
-            self.output_len,
-            priority_class=self.priority_class,
-            priority=self.priority,
-            arrival=self.arrival,
-            ttft_slo_ms=self.ttft_slo_ms,
-        )
-
-
-@dataclass
-class _Prefill:
-    wid: str
-    ledger: WorkerLedger  # the dispatcher's row for this worker
-    unsent: dict[int, set[str]] = field(default_factory=dict)  # batch id -> requests whose KV has not left
-    queue: deque = field(default_factory=deque)  # FCFS batches: (batch id, plan, decode worker id)
-    busy: bool = False
-    link_free_at: float = 0.0
-
-    @property
-    def reserved(self) -> dict[str, int]:
-        return self.ledger.reserved
-
-    @property
-    def outstanding(self) -> dict[int, tuple[str, ...]]:
-        return self.ledger.outstanding
-
-
-@dataclass
-class _Decode:
-    wid: str
-    ledger: WorkerLedger
-    arrived: list[SimRequest] = field(default_factory=list)  # KV received, joins at the next step
-    running: list[SimRequest] = field(default_factory=list)
-    busy: bool = False
-
-    @property
-    def reserved(self) -> dict[str, int]:
-        return self.ledger.reserved
-
-
-@dataclass
-class _Colocated:
-    wid: str
-    total_blocks: int
-    free_blocks: int
-    waiting: deque = field(default_factory=deque)
-    running: list[SimRequest] = field(default_factory=list)
-    in_flight: int = 0
-    busy: bool = False
-
-
-@dataclass
-class SimResult:
-    requests: list[SimRequest]
-    config: SimConfig
-    rate: float
-    stats: dict[str, Any]
-
-    def bench_result(self) -> BenchResult:
-        outcomes = []
-        for r in self.requests:
-            o = RequestOutcome(
-                request_id=r.rid,
-                priority=None,
-                input_len=r.prompt_len,
-                expected_output_len=r.output_len,
-                slo_ttft_ms=self.config.slo_ttft_ms,
-                slo_tpot_ms=self.config.slo_tpot_ms,
-                start_s=r.arrival,
-            )
-            if r.first_token is not None and r.finish is not None:
-                o.success = True
-                o.ttft_s = r.first_token - r.arrival
-                o.e2e_s = r.finish - r.arrival
-                o.output_tokens = r.output_len
-                o.usage_reported = True
-            else:
-                o.error = "not finished when the simulation ended"
-            outcomes.append(o)
-        # The client's clock starts at 0 and the run ends with the last token, as in ``bench serve``.
-        end = max((r.finish for r in self.requests if r.finish is not None), default=0.0)
-        return BenchResult(outcomes=outcomes, duration_s=end, request_rate=self.rate)
-
-    def summary(self) -> dict[str, Any]:
-        s = self.bench_result().summary()
-        keep = (
-            "request_rate",
-            "num_requests",
-            "completed",
-            "failed",
-            "duration_s",
-            "slo_attainment",
-            "goodput_rps",
-            "request_throughput_rps",
-            "output_tok_per_s",
-            "ttft_p50_ms",
-            "ttft_p99_ms",
-            "tpot_p50_ms",
-            "tpot_p99_ms",
-        )
-        return {k: s.get(k) for k in keep} | self.stats
+__all__ = ["MODES", "SimConfig", "SimRequest", "SimResult", "Simulator", "max_rate_at", "simulate", "sweep"]
 
 
 class Simulator:
@@ -260,10 +80,11 @@ class Simulator:
             {f"prefill-{i}": cost.num_blocks for i in range(c.prefill_workers)},
             {f"decode-{i}": cost.num_blocks for i in range(c.decode_workers)},
         )
-        self.prefill = [_Prefill(wid, ledger) for wid, ledger in d.prefill.items()]
-        self.decode = [_Decode(wid, ledger) for wid, ledger in d.decode.items()]
+        self.prefill = [PrefillState(wid, ledger) for wid, ledger in d.prefill.items()]
+        self.decode = [DecodeState(wid, ledger) for wid, ledger in d.decode.items()]
         self.colocated = [
-            _Colocated(f"colocated-{i}", cost.num_blocks, cost.num_blocks) for i in range(c.colocated_workers)
+            ColocatedState(f"colocated-{i}", cost.num_blocks, cost.num_blocks)
+            for i in range(c.colocated_workers)
         ]
         self._decode_by_id = {d.wid: d for d in self.decode}
         self._prefill_by_id = {p.wid: p for p in self.prefill}
@@ -365,7 +186,7 @@ class Simulator:
             return plan.shape[0], plan.shape[1]
         return len(plan.request_ids), max(self.requests[r].prompt_len for r in plan.request_ids)
 
-    def _prefill_kick(self, p: _Prefill) -> None:
+    def _prefill_kick(self, p: PrefillState) -> None:
         if p.busy or not p.queue:
             return
         batch_id, plan, did = p.queue.popleft()
@@ -377,7 +198,7 @@ class Simulator:
         work = self.cost.prefill_s(b, q)
         self._work(p.wid, "prefill", work, self._prefill_done, p, batch_id, plan, did)
 
-    def _prefill_done(self, p: _Prefill, batch_id: int, plan: BatchPlan, did: str) -> None:
+    def _prefill_done(self, p: PrefillState, batch_id: int, plan: BatchPlan, did: str) -> None:
         p.busy = False
         sends = []
         firsts, finished = [], []
@@ -407,7 +228,7 @@ class Simulator:
         self._prefill_kick(p)
         self._plan_all()
 
-    def _transfer_done(self, p: _Prefill, batch_id: int, r: SimRequest, did: str) -> None:
+    def _transfer_done(self, p: PrefillState, batch_id: int, r: SimRequest, did: str) -> None:
         left = p.unsent[batch_id]
         left.discard(r.rid)
         d = self._decode_by_id[did]
@@ -417,7 +238,7 @@ class Simulator:
         self._decode_kick(d)
         self._plan_all()
 
-    def _batch_left(self, p: _Prefill, batch_id: int) -> None:
+    def _batch_left(self, p: PrefillState, batch_id: int) -> None:
         """``batch_done``: every request of the batch has left, its prompt reservations end."""
         p.unsent.pop(batch_id, None)
         self.dispatcher.batch_done(p.wid, batch_id)
@@ -427,7 +248,7 @@ class Simulator:
         self.dispatcher.forget(r.rid)
 
     # ------------------------------------------------------------------ decode worker
-    def _decode_kick(self, d: _Decode) -> None:
+    def _decode_kick(self, d: DecodeState) -> None:
         if d.busy:
             return
         d.running.extend(d.arrived)
@@ -444,7 +265,7 @@ class Simulator:
         self.stats["decode_steps"] += 1
         self._work(d.wid, "decode", self.cost.decode_s(b, n), self._decode_done, d, batch)
 
-    def _decode_done(self, d: _Decode, batch: list[SimRequest]) -> None:
+    def _decode_done(self, d: DecodeState, batch: list[SimRequest]) -> None:
         d.busy = False
         ended = []
         for r in batch:
@@ -471,7 +292,7 @@ class Simulator:
         found = self.shapes.find_prompt(1, n, 0)
         return found[1] if found else n
 
-    def _colocated_candidates(self, w: _Colocated) -> list[SimRequest]:
+    def _colocated_candidates(self, w: ColocatedState) -> list[SimRequest]:
         """The engine's prefill candidates: the FCFS head, then waiting requests padding to the head's query
         bucket, cut to a batch size that is itself warmed (so no row is padding)."""
         if not w.waiting:
@@ -491,7 +312,7 @@ class Simulator:
             n -= 1
         return cands[:n]
 
-    def _colocated_kick(self, w: _Colocated) -> None:
+    def _colocated_kick(self, w: ColocatedState) -> None:
         if w.busy:
             return
         bs = self.cost.block_size
@@ -537,7 +358,7 @@ class Simulator:
         self.stats["decode_steps"] += 1
         self._work(w.wid, "decode", self.cost.decode_s(b, n), self._colocated_decode_done, w, batch)
 
-    def _colocated_prefill_done(self, w: _Colocated, reqs: list[SimRequest]) -> None:
+    def _colocated_prefill_done(self, w: ColocatedState, reqs: list[SimRequest]) -> None:
         w.busy = False
         firsts, ended = [], []
         for r in reqs:
@@ -551,7 +372,7 @@ class Simulator:
         self._emit(len(reqs), firsts, ended)
         self._colocated_kick(w)
 
-    def _colocated_decode_done(self, w: _Colocated, batch: list[SimRequest]) -> None:
+    def _colocated_decode_done(self, w: ColocatedState, batch: list[SimRequest]) -> None:
         w.busy = False
         ended = []
         for r in batch:
@@ -562,7 +383,7 @@ class Simulator:
         self._emit(len(batch), [], ended)
         self._colocated_kick(w)
 
-    def _colocated_after_token(self, w: _Colocated, r: SimRequest, prefilled: bool) -> bool:
+    def _colocated_after_token(self, w: ColocatedState, r: SimRequest, prefilled: bool) -> bool:
         """True when ``r`` ended with this token."""
         if r.generated >= r.output_len or r.num_tokens >= self.cost.max_model_len:
             r.done = True

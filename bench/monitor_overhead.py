@@ -32,6 +32,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from bench.server_process import free_port
+
 logger = logging.getLogger(__name__)
 
 STORES = ("memory", "redis")
@@ -69,9 +71,7 @@ def private_redis() -> Iterator[str]:
             "redis-server not found: install it (apt-get install redis-server) or pass --redis-url"
         )
     with tempfile.TemporaryDirectory(prefix="bucketserve-redis-") as workdir:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         args = [
             "--port",
             str(port),

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import random
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.model_loader import resolve_model_path
 from engine.request import PriorityClass, Request, SamplingParams
 from gateway.cluster_launch import ClusterConfig
 
@@ -32,21 +28,6 @@ def cluster_config(mode: str, name: str, **kw) -> ClusterConfig:
     return ClusterConfig(
         engine=engine, mode=mode, name=name, namespace="bucketserve-tests", worker_num_cpus=0.5, **kw
     )
-
-
-@functools.lru_cache(maxsize=1)
-def _reference_model():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny"), dtype=torch.float32).eval()
-
-
-def reference_tokens(prompt: list[int], n: int) -> list[int]:
-    """Hugging Face ``generate``, greedy, exactly ``n`` new tokens (EOS ignored, as the requests ask)."""
-    model = _reference_model()
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(prompt) :].tolist()
 
 
 def make_request(

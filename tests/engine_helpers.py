@@ -1,8 +1,8 @@
-"""Shared helpers for engine tests: a small engine config and the Hugging Face reference."""
+"""Shared helpers for engine tests: the test device, a small engine config and random prompts (the Hugging
+Face reference is the ``hf_reference`` fixture in conftest.py)."""
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -28,23 +28,6 @@ def small_config(**kw) -> EngineConfig:
     )
     defaults.update(kw)
     return EngineConfig(**defaults)
-
-
-@functools.lru_cache(maxsize=2)
-def hf_model(path: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(TEST_DEVICE).eval()
-
-
-def hf_greedy(path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Hugging Face generate, greedy, one prompt unbatched: the outside reference."""
-    model = hf_model(str(path))
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt], device=TEST_DEVICE), max_new_tokens=max_new_tokens, do_sample=False
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def random_prompts(lengths: list[int], seed: int = 0, vocab: tuple[int, int] = (10, 4000)) -> list[list[int]]:

@@ -1,5 +1,5 @@
 """Shared pieces of the gateway tests: the tiny-model backend, a real uvicorn server in a thread,
-SSE parsing and the Hugging Face greedy reference."""
+and SSE parsing."""
 
 from __future__ import annotations
 
@@ -62,29 +62,6 @@ def sse_events(lines: Iterator[str]) -> list[Any]:
         data = line[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
-
-
-class HFReference:
-    """Hugging Face ``generate`` greedy on the same checkpoint, with its stock attention."""
-
-    def __init__(self, path: str) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        self.torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-        with self.torch.no_grad():
-            out = self.model.generate(
-                self.torch.tensor([prompt_ids]),
-                attention_mask=self.torch.ones(1, len(prompt_ids), dtype=self.torch.long),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=self.tokenizer.eos_token_id,
-            )
-        return out[0, len(prompt_ids) :].tolist()
 
 
 def greedy_completions(

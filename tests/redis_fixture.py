@@ -8,7 +8,6 @@ suite runs.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -17,20 +16,16 @@ from pathlib import Path
 import pytest
 import redis
 
+from bench.server_process import free_port
+
 REDIS_SERVER = "redis-server"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _start(binary: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     # Another process may take the port between choosing and binding it: retry a few times.
     last_error = ""
     for _ in range(5):
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen(
             [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
             + ["--dir", str(workdir)],

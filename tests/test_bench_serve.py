@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from gateway_helpers import serve_app
 
 from bench.client import run_benchmark
 from bench.metrics import percentile
+from bench.server_process import free_port
 from bench.workload_requests import BenchRequest
 from gateway.cli import main as cli_main
 
@@ -111,21 +109,8 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def server(tokenizer):
     app = make_app(tokenizer)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not srv.started:
-        assert time.time() < deadline, "test server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", app
-    srv.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with serve_app(app) as url:
+        yield url, app
 
 
 def _req(mode: str, n: int = 10, at: float = 0.0, priority: str | None = None) -> BenchRequest:
@@ -220,9 +205,7 @@ def test_streams_without_usage_merged_chunks_and_broken_streams(server):
 
 
 def test_unreachable_server_is_counted_not_raised():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
+    port = free_port()  # closed again: nothing listens there
     result = _bench(f"http://127.0.0.1:{port}/v1", [_req("fast"), _req("fast")], timeout_s=5)
     s = result.summary()
     assert s["completed"] == 0 and s["failed"] == 2 and s["slo_attainment"] == 0.0

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from gateway_helpers import HFReference, greedy_completions, serve_app, sse_events
+from conftest import HFReference
+from gateway_helpers import greedy_completions, serve_app, sse_events
 
 from bench.baselines.static_batching import StaticBatchBackend
 from gateway.app import create_app
@@ -37,8 +38,8 @@ def url(backend: StaticBatchBackend) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def hf(backend: StaticBatchBackend) -> HFReference:
-    return HFReference(backend.model_info().path)
+def hf(backend: StaticBatchBackend, hf_reference) -> HFReference:
+    return hf_reference(backend.model_info().path, "cpu")
 
 
 def _token_ids(choice: dict) -> list[int]:

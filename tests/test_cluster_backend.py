@@ -13,7 +13,6 @@ from cluster_helpers import (
     cluster_config,
     collect,
     make_request,
-    reference_tokens,
     wait_idle,
 )
 
@@ -41,7 +40,7 @@ def assert_no_leaks(stats: dict[str, dict]) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_greedy_matches_hf_for_16_concurrent_mixed_requests(backends, mode):
+def test_greedy_matches_hf_for_16_concurrent_mixed_requests(backends, mode, hf_reference):
     backend = backends[mode]
     rng = random.Random(7)
     # Mixed lengths; together they need far more than the 48 KV blocks there are, so most wait their turn.
@@ -55,7 +54,9 @@ def test_greedy_matches_hf_for_16_concurrent_mixed_requests(backends, mode):
     for req, got in zip(reqs, results, strict=True):
         assert got.error is None, got.error
         assert got.finish_reason == "length"
-        assert got.tokens == reference_tokens(req.prompt_token_ids, req.sampling.max_tokens), req.request_id
+        assert got.tokens == hf_reference("tiny", "cpu").greedy(
+            req.prompt_token_ids, req.sampling.max_tokens, ignore_eos=True
+        ), req.request_id
     stats = asyncio.run(wait_idle(backend))
     assert_no_leaks(stats)
     if mode == "disaggregated":  # the KV went layer by layer while each prefill ran (the default)
@@ -202,7 +203,7 @@ def test_health_reports_every_worker_up_and_warmed(backends):
         assert "bucketserve" in asyncio.run(backend.metrics_text())
 
 
-def test_kv_sent_after_the_batch_when_layer_streaming_is_off(ray_session):
+def test_kv_sent_after_the_batch_when_layer_streaming_is_off(ray_session, hf_reference):
     # The unstreamed hand-off (--no-kv-stream-layers): same exact answers, no streamed transfer, no leak.
     backend = RayClusterBackend(cluster_config("disaggregated", "t-nostream", stream_kv_layers=False))
     try:
@@ -214,9 +215,9 @@ def test_kv_sent_after_the_batch_when_layer_streaming_is_off(ray_session):
 
         for req, got in zip(reqs, asyncio.run(run()), strict=True):
             assert got.error is None, got.error
-            assert got.tokens == reference_tokens(req.prompt_token_ids, req.sampling.max_tokens), (
-                req.request_id
-            )
+            assert got.tokens == hf_reference("tiny", "cpu").greedy(
+                req.prompt_token_ids, req.sampling.max_tokens, ignore_eos=True
+            ), req.request_id
         stats = asyncio.run(wait_idle(backend))
         assert_no_leaks(stats)
         assert sum(s.get("streamed_transfers", 0) for s in stats.values()) == 0

@@ -13,14 +13,14 @@ import dataclasses
 import functools
 import json
 import random
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
 import pytest
-from cluster_helpers import NUM_BLOCKS, cluster_config, reference_tokens, wait_idle
+from cluster_helpers import NUM_BLOCKS, cluster_config, wait_idle
 
+from bench.server_process import free_port
 from gateway.app import build_app
 from gateway.cluster_backend import RayClusterBackend
 from gateway.commands.serve import connect_backend
@@ -33,17 +33,11 @@ MAX_MODEL_LEN = 512  # cluster_helpers.cluster_config's
 TIGHT = 2  # admission bound of the /tight application
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def serve_url(ray_session) -> Iterator[str]:
     from ray import serve
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
@@ -125,7 +119,7 @@ async def _complete(c: httpx.AsyncClient, prompt: list[int], n: int, stream: boo
     return tokens, str(finish)
 
 
-def test_greedy_over_http_equals_hf_for_16_concurrent_requests(served: Served) -> None:
+def test_greedy_over_http_equals_hf_for_16_concurrent_requests(served: Served, hf_reference) -> None:
     rng = random.Random(11)
     prompts = [[rng.randrange(10, 4000) for _ in range(rng.randint(3, 200))] for _ in range(16)]
     max_tokens = [rng.randint(1, 24) for _ in prompts]
@@ -143,7 +137,9 @@ def test_greedy_over_http_equals_hf_for_16_concurrent_requests(served: Served) -
 
     results = asyncio.run(run())
     for i, (p, n, (tokens, finish)) in enumerate(zip(prompts, max_tokens, results, strict=True)):
-        assert tokens == reference_tokens(p, n), f"request {i} ({'streamed' if i % 2 == 0 else 'json'})"
+        assert tokens == hf_reference("tiny", "cpu").greedy(p, n, ignore_eos=True), (
+            f"request {i} ({'streamed' if i % 2 == 0 else 'json'})"
+        )
         assert finish == "length"
     assert_no_leaks(asyncio.run(wait_idle(served.backend)))
 

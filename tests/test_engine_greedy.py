@@ -4,7 +4,7 @@ prefill, a prompt above every prompt bucket, and continuous batching with joins 
 from __future__ import annotations
 
 import pytest
-from engine_helpers import hf_greedy, random_prompts, small_config
+from engine_helpers import random_prompts, small_config
 
 from engine.llm_engine import LLMEngine
 from engine.request import Request, SamplingParams
@@ -15,7 +15,7 @@ def engine():
     return LLMEngine(small_config(skip_warmup=False))
 
 
-def test_greedy_matches_hf_with_continuous_batching(engine: LLMEngine) -> None:
+def test_greedy_matches_hf_with_continuous_batching(engine: LLMEngine, hf_reference) -> None:
     largest_query = max(q for _, q, _ in engine.buckets.prompt)
     lengths = [3, 17, 40, 1, largest_query + 44, 100, 64, 9, 250, 33]
     prompts = random_prompts(lengths, seed=1)
@@ -38,7 +38,7 @@ def test_greedy_matches_hf_with_continuous_batching(engine: LLMEngine) -> None:
     assert joined_mid_batch == 5 and left_mid_batch >= 3
     assert engine.stats["decode_steps"] > 0
     for r in reqs:
-        expected = hf_greedy(engine.loaded.path, r.prompt_token_ids, r.sampling.max_tokens)
+        expected = hf_reference(engine.loaded.path).greedy(r.prompt_token_ids, r.sampling.max_tokens)
         assert r.output_token_ids == expected, f"{r.request_id} (prompt {r.num_prompt_tokens} tokens) differs"
     # The long prompt ran above every warmed prompt bucket: counted as a runtime compilation.
     assert engine.runner.runtime_compilations >= 1
@@ -46,7 +46,7 @@ def test_greedy_matches_hf_with_continuous_batching(engine: LLMEngine) -> None:
     assert engine.allocator.num_used == 0
 
 
-def test_preemption_recomputes_and_stays_exact() -> None:
+def test_preemption_recomputes_and_stays_exact(hf_reference) -> None:
     # 16 blocks of 16 tokens cannot hold four ~41-token prompts growing by 60 tokens (28 blocks): requests are
     # preempted (blocks freed, recomputed later) and the output must still equal the reference.
     from engine.config import CacheConfig
@@ -60,16 +60,16 @@ def test_preemption_recomputes_and_stays_exact() -> None:
     assert engine.stats["preemptions"] > 0
     for r in reqs:
         assert len(r.output_token_ids) == 60
-        expected = hf_greedy(engine.loaded.path, r.prompt_token_ids, 60)
+        expected = hf_reference(engine.loaded.path).greedy(r.prompt_token_ids, 60)
         if engine.loaded.eos_token_ids[0] not in expected:  # HF stops at EOS; ours ignores it here
             assert r.output_token_ids == expected
     engine.check_integrity()
     assert engine.allocator.num_used == 0
 
 
-def test_stop_conditions(engine: LLMEngine) -> None:
+def test_stop_conditions(engine: LLMEngine, hf_reference) -> None:
     prompt = random_prompts([20], seed=3)[0]
-    ref = hf_greedy(engine.loaded.path, prompt, 20)
+    ref = hf_reference(engine.loaded.path).greedy(prompt, 20)
     # stop_token_ids: stop at the 5th reference token, which is included in the output.
     req = Request("stop-id", prompt, SamplingParams(max_tokens=20, stop_token_ids=(ref[4],)))
     engine.generate([req])

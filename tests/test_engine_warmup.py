@@ -34,10 +34,9 @@ def test_warmup_then_no_runtime_compilation_inside_range(caplog) -> None:
     assert any("runtime compilation #1" in r.getMessage() for r in caplog.records)
 
 
-def test_cpu_compile_path_is_exact_and_writes_the_cache_in_place() -> None:
+def test_cpu_compile_path_is_exact_and_writes_the_cache_in_place(hf_reference) -> None:
     # --compile: torch.compile(dynamic=False), one graph per shape; kept to one prompt and one
     # decode shape because each CPU compilation takes tens of seconds.
-    from engine_helpers import hf_greedy
     from torch._inductor import config as inductor_config
     from torch._inductor.utils import run_and_get_code
 
@@ -58,7 +57,7 @@ def test_cpu_compile_path_is_exact_and_writes_the_cache_in_place() -> None:
     # graph compiled by an earlier run is generated again rather than loaded).
     with inductor_config.patch(fx_graph_cache=False):
         _, codes = run_and_get_code(engine.generate, [req])
-    assert req.output_token_ids == hf_greedy(engine.loaded.path, prompt, 4)
+    assert req.output_token_ids == hf_reference(engine.loaded.path).greedy(prompt, 4)
     # The new K/V go into the cache in place. Were the write functionalised, each graph would allocate a
     # buffer the shape of the whole cache and loop over every element of a layer's K and V to copy it back.
     kv = engine.runner.kv.data

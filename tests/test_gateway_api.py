@@ -13,7 +13,8 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
-from gateway_helpers import MAX_MODEL_LEN, HFReference, greedy_completions, serve_app, sse_events, tiny_config
+from conftest import HFReference
+from gateway_helpers import MAX_MODEL_LEN, greedy_completions, serve_app, sse_events, tiny_config
 
 from gateway.app import create_app
 from gateway.local_backend import LocalEngineBackend
@@ -42,8 +43,8 @@ def client(url: str) -> Iterator[httpx.Client]:
 
 
 @pytest.fixture(scope="module")
-def hf(backend: LocalEngineBackend) -> HFReference:
-    return HFReference(backend.model_info().path)
+def hf(backend: LocalEngineBackend, hf_reference) -> HFReference:
+    return hf_reference(backend.model_info().path, "cpu")
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-from engine_helpers import hf_greedy
 
 from engine.model_builder import ensure_builtin
 from engine.model_loader import ModelNotFoundError, resolve_model_path
@@ -24,7 +23,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_generate_from_a_saved_checkpoint_folder(tmp_path) -> None:
+def test_generate_from_a_saved_checkpoint_folder(tmp_path, hf_reference) -> None:
     # A Qwen2-architecture checkpoint saved by transformers itself, loaded with --model PATH.
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
@@ -48,7 +47,7 @@ def test_generate_from_a_saved_checkpoint_folder(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["prompt_token_ids"] == tok("def main():").input_ids
-    assert out["token_ids"] == hf_greedy(tmp_path, out["prompt_token_ids"], 12)
+    assert out["token_ids"] == hf_reference(tmp_path).greedy(out["prompt_token_ids"], 12)
     assert out["text"] == tok.decode(out["token_ids"], skip_special_tokens=True)
 
 

@@ -17,13 +17,14 @@ _KINDS = {
     "sweep": "bench.sweep",
     "monitor": "bench.monitor_overhead",
     "latency": "bench.latency",
+    "roofline": "bench.roofline",
 }
 # Libraries of the ``bench`` extra: a kind that needs a missing one says so when it is run.
 _EXTRA = {"httpx", "matplotlib"}
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: offline, kv, serve, sweep, monitor, latency")
+    p = sub.add_parser("bench", help="benchmarks: offline, kv, serve, sweep, monitor, latency, roofline")
     kinds = p.add_subparsers(dest="bench_kind", metavar="KIND")
     for kind, module in _KINDS.items():
         try:

@@ -1,0 +1,257 @@
+"""``bucketserve bench roofline``: the engine's prefill and decode steps against this machine's bounds.
+
+In one run: the memory bandwidth (a large tensor copy) and the GEMM rate (a large matmul) of this machine,
+with the engine's thread count; then the engine's prefill (1x1024, 8x256 by default) and decode steps (batch
+1, 8, 32, 128 at context 512), each printed with its bound and the ratio measured / bound.
+
+A prefill's bound is its FLOPs at the GEMM rate. A decode step's bound is the larger of its bytes at the
+copy bandwidth (every layer weight and the LM head read once, every sequence's K and V read, the new K and V
+written) and its FLOPs at the GEMM rate. The steps run through the engine's own API (``prefill_only``,
+``admit_prefilled`` + ``step``), so they include input preparation and sampling, as serving does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+def register(sub) -> None:
+    from engine.args import add_engine_args
+
+    p = sub.add_parser(
+        "roofline", help="prefill and decode steps against the machine's bandwidth and GEMM bounds"
+    )
+    add_engine_args(p)
+    p.add_argument("--prefill", default="1x1024,8x256", help="prefill shapes BATCHxTOKENS, comma-separated")
+    p.add_argument("--decode-batches", default="1,8,32,128", help="decode batch sizes, comma-separated")
+    p.add_argument("--context", type=int, default=512, help="context length of the decode steps")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per item (median reported)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--json", action="store_true", help="last line: one JSON object")
+    p.add_argument("--out", default="bench/results/roofline", help="report path (without extension)")
+    p.set_defaults(func=run, model="small")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    layer_params: int  # parameters of the decoder layers and the final norm
+    elem: int  # bytes per element (weights and KV)
+
+    @classmethod
+    def of(cls, model, elem: int) -> ModelShape:
+        c = model.config
+        body = sum(p.numel() for p in model.model.layers.parameters()) + sum(
+            p.numel() for p in model.model.norm.parameters()
+        )
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return cls(
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            head_dim,
+            c.hidden_size,
+            c.vocab_size,
+            body,
+            elem,
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.elem
+
+    def attention_flops(self, q_positions: list[int]) -> float:
+        """QK^T and PV for queries at these 0-based positions (each attends to position + 1 keys)."""
+        return 4.0 * self.layers * self.heads * self.head_dim * sum(p + 1 for p in q_positions)
+
+    def prefill_flops(self, batch: int, tokens: int) -> float:
+        dense = 2.0 * self.layer_params * batch * tokens + 2.0 * self.hidden * self.vocab * batch
+        return dense + batch * self.attention_flops(list(range(tokens)))
+
+    def decode_flops(self, batch: int, context: int) -> float:
+        dense = 2.0 * (self.layer_params + self.hidden * self.vocab) * batch
+        return dense + batch * self.attention_flops([context])
+
+    def decode_bytes(self, batch: int, context: int) -> float:
+        weights = (self.layer_params + self.hidden * self.vocab) * self.elem
+        return weights + batch * (context + 2) * self.kv_bytes_per_token  # read context, write the new token
+
+
+def _median_s(fn, repeats: int) -> tuple[float, list[float]]:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def measure_machine(dtype, repeats: int) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written per second) and matmul rate (FLOP/s) on this process's threads."""
+    import torch
+
+    src = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB: far above the caches
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_s, _ = _median_s(lambda: dst.copy_(src), repeats)
+    n = 2048
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    a @ b
+    mm_s, _ = _median_s(lambda: a @ b, repeats)
+    return {"bandwidth_Bps": 2 * src.numel() * src.element_size() / copy_s, "gemm_flops": 2 * n**3 / mm_s}
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def time_prefill(engine, batch: int, tokens: int, repeats: int) -> list[float]:
+    from engine.request import Request, SamplingParams
+
+    vocab = engine.loaded.model.config.vocab_size
+    times = []
+    for rep in range(repeats + 1):  # the first call is untimed (first-touch of the cache pages, kernels)
+        reqs = [
+            Request(f"pf-{rep}-{i}", p, SamplingParams(max_tokens=1, ignore_eos=True))
+            for i, p in enumerate(_prompts(batch, tokens, vocab, rep))
+        ]
+        t0 = time.perf_counter()
+        engine.prefill_only(reqs)
+        took = time.perf_counter() - t0
+        for r in reqs:
+            engine.allocator.free(engine.detach(r.request_id).block_ids)
+        if rep:
+            times.append(took)
+    return times
+
+
+def time_decode(engine, batch: int, context: int, repeats: int) -> list[float]:
+    from engine.request import Request, SamplingParams
+
+    vocab = engine.loaded.model.config.vocab_size
+    sp = SamplingParams(max_tokens=repeats + 2, ignore_eos=True)
+    reqs = [Request(f"dc-{batch}-{i}", p, sp) for i, p in enumerate(_prompts(batch, context, vocab, batch))]
+    chunk = max(1, engine.config.scheduler.max_num_batched_tokens // context)
+    for s in range(0, batch, chunk):  # prefill the contexts (untimed), then hand them to decode
+        part = reqs[s : s + chunk]
+        engine.prefill_only(part)
+        for r in part:
+            engine.admit_prefilled(engine.detach(r.request_id))
+    engine.step()  # untimed first decode step
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    for r in reqs:
+        engine.abort(r.request_id)
+    engine.check_integrity()
+    return times
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+
+    from bench.report import write_report
+    from engine.config import config_from_args
+    from engine.llm_engine import LLMEngine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prefill = [tuple(int(x) for x in item.split("x")) for item in args.prefill.split(",") if item]
+    batches = [int(b) for b in args.decode_batches.split(",") if b]
+    cfg = config_from_args(args)
+    block = cfg.cache.block_size or 16
+    # Enough KV for the largest decode batch at its context (plus the timed steps), whatever the default cap.
+    need = max(batches) * (-(-(args.context + args.repeats + 4) // block) + 1) + 16
+    if cfg.cache.num_blocks is None or cfg.cache.num_blocks < need:
+        from dataclasses import replace
+
+        cfg = replace(
+            cfg, cache=replace(cfg.cache, num_blocks=need, block_size=cfg.cache.block_size or block)
+        )
+    engine = LLMEngine(cfg)
+    model = engine.loaded.model
+    dtype = next(model.parameters()).dtype
+    shape = ModelShape.of(model, torch.tensor([], dtype=dtype).element_size())
+    machine = measure_machine(dtype, max(3, args.repeats))
+    bw, rate = machine["bandwidth_Bps"], machine["gemm_flops"]
+    rows = []
+    for b, t in prefill:
+        times = time_prefill(engine, b, t, args.repeats)
+        flops = shape.prefill_flops(b, t)
+        bound = flops / rate
+        med = statistics.median(times)
+        rows.append(
+            {
+                "step": f"prefill {b}x{t}",
+                "measured_ms": med * 1e3,
+                "spread_ms": [min(times) * 1e3, max(times) * 1e3],
+                "flops": flops,
+                "bound": "gemm",
+                "bound_ms": bound * 1e3,
+                "ratio": med / bound,
+                "achieved_gflops": flops / med / 1e9,
+            }
+        )
+    for b in batches:
+        times = time_decode(engine, b, args.context, args.repeats)
+        flops, nbytes = shape.decode_flops(b, args.context), shape.decode_bytes(b, args.context)
+        mem_s, gemm_s = nbytes / bw, flops / rate
+        bound = max(mem_s, gemm_s)
+        med = statistics.median(times)
+        rows.append(
+            {
+                "step": f"decode batch {b} @ {args.context}",
+                "measured_ms": med * 1e3,
+                "spread_ms": [min(times) * 1e3, max(times) * 1e3],
+                "flops": flops,
+                "bytes": nbytes,
+                "bound": "memory" if mem_s >= gemm_s else "gemm",
+                "memory_bound_ms": mem_s * 1e3,
+                "gemm_bound_ms": gemm_s * 1e3,
+                "bound_ms": bound * 1e3,
+                "ratio": med / bound,
+                "achieved_GBps": nbytes / med / 1e9,
+            }
+        )
+    result = {
+        "model": args.model,
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "shape_policy": getattr(engine.config, "shape_policy", "buckets"),
+        "bandwidth_GBps": bw / 1e9,
+        "gemm_GFLOPs": rate / 1e9,
+        "rows": rows,
+    }
+    table = [("step", "measured ms", "bound", "bound ms", "measured / bound")]
+    table += [
+        (r["step"], f"{r['measured_ms']:.2f}", r["bound"], f"{r['bound_ms']:.2f}", f"{r['ratio']:.2f}")
+        for r in rows
+    ]
+    path = write_report(args.out, "Roofline: engine steps against this machine's bounds", result, table)
+    print(
+        f"machine: copy {bw / 1e9:.1f} GB/s, matmul {rate / 1e9:.0f} GFLOP/s "
+        f"({result['dtype']}, {result['threads']} threads)"
+    )
+    for row in table:
+        print(f"{row[0]:<24} {row[1]:>12} {row[2]:>7} {row[3]:>9} {row[4]:>17}")
+    print(f"report: {path}")
+    if args.json:
+        print(json.dumps(result))

@@ -1,0 +1,55 @@
+"""``bench roofline``: its bound arithmetic against hand counts, and one small run end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench.roofline import ModelShape
+from gateway.cli import main
+
+
+def test_bounds_count_what_a_step_moves_and_computes():
+    s = ModelShape(layers=2, heads=4, kv_heads=2, head_dim=8, hidden=32, vocab=100, layer_params=1000, elem=4)
+    assert s.kv_bytes_per_token == 2 * 2 * 2 * 8 * 4  # K and V, per layer and KV head
+    # Decode: every weight and the LM head once, each sequence's context read and its new token written.
+    assert s.decode_bytes(batch=3, context=10) == (1000 + 32 * 100) * 4 + 3 * 12 * s.kv_bytes_per_token
+    # A query at position p attends to p + 1 keys: 2 FLOPs per multiply-add, for QK^T and for PV.
+    assert s.attention_flops([0, 4]) == 4 * 2 * 4 * 8 * (1 + 5)
+    assert s.decode_flops(batch=2, context=9) == 2 * 2 * (1000 + 3200) + 2 * 4 * 2 * 4 * 8 * 10
+    # Prefill of t tokens: dense work per token, the LM head once per sequence, causal attention.
+    t = 5
+    assert s.prefill_flops(batch=2, tokens=t) == 2 * 1000 * 2 * t + 2 * 32 * 100 * 2 + 2 * 4 * 2 * 4 * 8 * 15
+
+
+def test_parameter_count_is_the_models(tmp_path):
+    from engine.model_loader import load_model
+
+    model = load_model("tiny", torch.device("cpu"), "float32").model
+    shape = ModelShape.of(model, 4)
+    embed = model.model.embed_tokens.weight.numel()
+    head = model.lm_head.weight.numel()
+    assert shape.layer_params == sum(p.numel() for p in model.parameters()) - embed - (
+        head if model.lm_head.weight is not model.model.embed_tokens.weight else 0
+    )
+
+
+@pytest.mark.slow
+def test_small_run_reports_every_step_with_its_bound(tmp_path, capsys):
+    out = tmp_path / "roofline"
+    rc = main(
+        ["bench", "roofline", "--model", "tiny", "--skip-warmup", "--prefill", "1x64,2x32"]
+        + ["--decode-batches", "1,4", "--context", "48", "--repeats", "2", "--json", "--out", str(out)]
+    )
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["bandwidth_GBps"] > 0 and result["gemm_GFLOPs"] > 0
+    steps = [r["step"] for r in result["rows"]]
+    assert steps == ["prefill 1x64", "prefill 2x32", "decode batch 1 @ 48", "decode batch 4 @ 48"]
+    for r in result["rows"]:
+        assert r["measured_ms"] > 0 and r["bound_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["measured_ms"] / r["bound_ms"])
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert saved["result"] == result and "Roofline" in saved["title"]

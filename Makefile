@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,bench]'
+	$(BIN)/python -m engine.kernels.build
 	$(MAKE) --no-print-directory chromium
 	touch $(STAMP)
 

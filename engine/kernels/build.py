@@ -1,0 +1,131 @@
+"""Build (once) and load the C++ paged attention kernel; ``None`` when it cannot be had.
+
+The extension is compiled into ``$BUCKETSERVE_CACHE/extensions/<hash>``, the hash covering the source,
+the torch version, the compiler flags and the CPU capability torch detected, so a cache folder shared
+between machines or torch upgrades never loads a stale or foreign binary. Loading is once per process:
+the operator registers itself as ``torch.ops.bucketserve_cpu.paged_attention``.
+
+``python -m engine.kernels.build`` prebuilds it (``make install`` does), so a server start only loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from engine.model_builder import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
+OP_NAMESPACE = "bucketserve_cpu"
+_NAME = "bucketserve_paged_attention"
+
+# Vector ISA flags per capability torch itself detected on this CPU (what its own kernels dispatch to),
+# not -march=native: native also tunes for and may emit instructions of this exact CPU model, and the
+# capability (part of the hash) then would not describe the binary. ATen's Vectorized<float> picks its
+# 512- or 256-bit implementation from the CPU_CAPABILITY_* macro; with neither it is a portable scalar
+# version (still correct). The inline namespace is renamed so our instantiations never collide with
+# the ones inside libtorch.
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2"],
+}
+
+_loaded: dict[str, Callable[..., None] | None] = {}
+_fake_registered = False
+
+
+def _flags() -> list[str]:
+    cap = torch.backends.cpu.get_cpu_capability()
+    isa = _ISA_FLAGS.get(cap, [])
+    return ["-O3", "-DCPU_CAPABILITY=bucketserve_" + (cap.lower() if isa else "default"), *isa]
+
+
+def build_dir(source: Path = SOURCE) -> Path:
+    h = hashlib.sha256()
+    h.update(source.read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(" ".join(_flags()).encode())
+    h.update(sys.version.split()[0].encode())
+    return cache_root() / "extensions" / h.hexdigest()[:16]
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+
+
+def _warn(msg: str) -> None:
+    log.warning(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def load(source: Path = SOURCE) -> Callable[..., None] | None:
+    """The compiled operator, or None (with a warning) when no compiler is found or the build fails."""
+    key = str(source)
+    if key in _loaded:
+        return _loaded[key]
+    op = _build_and_load(source)
+    _loaded[key] = op
+    return op
+
+
+def _build_and_load(source: Path) -> Callable[..., None] | None:
+    if _compiler() is None:
+        _warn("paged attention kernel: no C++ compiler found; using the pure-torch fallback")
+        return None
+    target = build_dir(source)
+    t0 = time.perf_counter()
+    try:
+        from torch.utils import cpp_extension
+
+        target.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name=_NAME,
+            sources=[str(source)],
+            extra_cflags=_flags(),
+            build_directory=str(target),
+            is_python_module=False,
+            verbose=False,
+        )
+        op = getattr(torch.ops, OP_NAMESPACE).paged_attention
+    except Exception as e:  # a compiler error, a missing header, a linker failure: all mean "fall back"
+        _warn(
+            f"paged attention kernel: build failed ({type(e).__name__}: {str(e)[-500:]}); using the fallback"
+        )
+        return None
+    _register_fake()
+    log.info("paged attention kernel loaded from %s in %.1f s", target, time.perf_counter() - t0)
+    return op
+
+
+def _register_fake() -> None:
+    # Lets torch.compile trace the operator as opaque: it only writes ``out``.
+    global _fake_registered
+    if _fake_registered:
+        return
+    _fake_registered = True
+
+    @torch.library.register_fake(f"{OP_NAMESPACE}::paged_attention")
+    def _fake(out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale) -> None:
+        return None
+
+
+def main() -> int:
+    """Prebuild; exit 0 either way, since the engine runs (slower) on the fallback."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    load()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

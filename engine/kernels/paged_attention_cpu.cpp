@@ -1,0 +1,441 @@
+// Paged attention for CPU: one operator for a flat batch of decodes, prefills and prefill chunks.
+//
+//   bucketserve_cpu::paged_attention(out[T,H,D], q[T,H,D], k_cache[NB,BS,KVH,D], v_cache[NB,BS,KVH,D],
+//                                    block_table[B,W] int32, seq_lens[B] int32, query_start_loc[B+1] int32,
+//                                    scale) -> ()
+//
+// Sequence i owns query tokens query_start_loc[i] .. query_start_loc[i+1]-1; its cache already holds
+// seq_lens[i] tokens, this step's included, so its query j sits at position seq_lens[i] - q_len + j and
+// attends causally to positions 0 .. that position, read in place through block_table[i].
+//
+// Design (2-core AVX-512 host, memory-bound decode, compute-bound prefill):
+// - Work item = (sequence, KV head, tile of queries). All G = H / KVH query heads of the KV head and all
+//   queries of the tile are the rows of one small matrix, so every K/V row is read once per tile.
+// - K/V blocks are read in place (no gather); softmax is online (running max, sum and accumulator).
+// - Scores: with few rows (decodes) one vectorised dot per (row, slot); with many rows the K block is
+//   transposed into a scratch [D, slots] so QK^T becomes a register-blocked mini GEMM (no horizontal sums).
+//   P·V is always the mini GEMM. bf16 K/V/Q are widened to fp32 in per-thread scratch: compute is fp32.
+// - Threads pull work items from an atomic counter, longest first: causal tiles differ a lot in cost.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t VS = Vec::size();
+constexpr int64_t kTileRows = 128;  // rows (queries x heads) per prefill tile: amortises the K transpose
+constexpr int64_t kGemmRowsMin = 8;
+constexpr int64_t kChunkSlots = 128;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// dst[0..n) = float(src[0..n)) * mul
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n, float mul = 1.f) {
+  int64_t d = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; d + VS <= n; d += VS) (Vec::loadu(src + d) * Vec(mul)).store(dst + d);
+  } else {
+    for (; d + VS <= n; d += VS) {
+      Vec v;
+      at::vec::load_to_float<T>(src + d, v);
+      (v * Vec(mul)).store(dst + d);
+    }
+  }
+  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]) * mul;
+}
+
+// C[R, N] (+)= A[R, K] . B[K, N], fp32; B is given by row pointers (rows of K/V blocks lie anywhere in the
+// cache). R <= 4 rows x 2 column vectors of C stay in registers; A's elements are broadcast.
+template <int R>
+inline void gemm_rows(const float* A, int64_t lda, const float* const* B, float* C, int64_t ldc, int64_t K,
+                      int64_t N, bool accumulate) {
+  for (int64_t n0 = 0; n0 < N; n0 += 2 * VS) {
+    const int64_t c0 = std::min(VS, N - n0);
+    const int64_t c1 = std::max<int64_t>(0, std::min(VS, N - n0 - VS));
+    Vec acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = accumulate ? Vec::loadu(C + r * ldc + n0, c0) : Vec(0.f);
+      acc[r][1] = (accumulate && c1 > 0) ? Vec::loadu(C + r * ldc + n0 + VS, c1) : Vec(0.f);
+    }
+    if (c1 > 0) {
+      for (int64_t k = 0; k < K; ++k) {
+        const Vec b0 = Vec::loadu(B[k] + n0, c0);
+        const Vec b1 = Vec::loadu(B[k] + n0 + VS, c1);
+        for (int r = 0; r < R; ++r) {
+          const Vec a(A[r * lda + k]);
+          acc[r][0] = at::vec::fmadd(a, b0, acc[r][0]);
+          acc[r][1] = at::vec::fmadd(a, b1, acc[r][1]);
+        }
+      }
+    } else {
+      for (int64_t k = 0; k < K; ++k) {
+        const Vec b0 = Vec::loadu(B[k] + n0, c0);
+        for (int r = 0; r < R; ++r) acc[r][0] = at::vec::fmadd(Vec(A[r * lda + k]), b0, acc[r][0]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      acc[r][0].store(C + r * ldc + n0, c0);
+      if (c1 > 0) acc[r][1].store(C + r * ldc + n0 + VS, c1);
+    }
+  }
+}
+
+void small_gemm(const float* A, int64_t lda, const float* const* B, float* C, int64_t ldc, int64_t M, int64_t K,
+                int64_t N, bool accumulate) {
+  int64_t r = 0;
+  for (; r + 4 <= M; r += 4) gemm_rows<4>(A + r * lda, lda, B, C + r * ldc, ldc, K, N, accumulate);
+  const float* a = A + r * lda;
+  float* c = C + r * ldc;
+  switch (M - r) {
+    case 3: gemm_rows<3>(a, lda, B, c, ldc, K, N, accumulate); break;
+    case 2: gemm_rows<2>(a, lda, B, c, ldc, K, N, accumulate); break;
+    case 1: gemm_rows<1>(a, lda, B, c, ldc, K, N, accumulate); break;
+    default: break;
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc(0.f);
+  int64_t d = 0;
+  for (; d + VS <= n; d += VS) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+  if (d < n) acc = at::vec::fmadd(Vec::loadu(a + d, n - d), Vec::loadu(b + d, n - d), acc);
+  return at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, acc);
+}
+
+struct Geometry {
+  int64_t H, KVH, G, D, BS, NB, W;
+  // element strides
+  int64_t q_t, q_h, o_t, o_h, k_b, k_s, k_h, v_b, v_s, v_h;
+  float scale;
+};
+
+struct WorkItem {
+  int64_t seq;
+  int64_t head_begin, head_end;  // KV heads [head_begin, head_end)
+  int64_t q_begin, q_end;  // query tokens [q_begin, q_end) of the sequence
+  int64_t cost;
+};
+
+// Keys are processed in chunks of whole blocks, at least kChunkSlots of them: with 16-slot blocks a
+// per-block softmax step and 16-deep GEMMs would cost more than the arithmetic they wrap.
+inline int64_t chunk_slots(int64_t BS) { return BS * std::max<int64_t>(1, kChunkSlots / BS); }
+
+// Per-thread scratch, uninitialised, sized for the largest item of the call (``rows``: query rows of all
+// its KV heads together).
+template <typename T>
+using Buf = std::unique_ptr<T[]>;
+
+struct Scratch {
+  Buf<float> q, s, acc, m, l, kt, kf, vf;
+  Buf<int64_t> koff, voff;
+  Buf<const float*> krow, vrow, ktrow;
+  Scratch(int64_t rows, int64_t D, int64_t BS) {
+    const int64_t ch = chunk_slots(BS), np = round_up(ch, VS);
+    q.reset(new float[rows * D]);
+    s.reset(new float[rows * np]);
+    acc.reset(new float[rows * D]);
+    m.reset(new float[rows]);
+    l.reset(new float[rows]);
+    kt.reset(new float[D * np]);
+    kf.reset(new float[ch * D]);
+    vf.reset(new float[ch * D]);
+    koff.reset(new int64_t[ch]);
+    voff.reset(new int64_t[ch]);
+    krow.reset(new const float*[ch]);
+    vrow.reset(new const float*[ch]);
+    ktrow.reset(new const float*[D]);
+    for (int64_t d = 0; d < D; ++d) ktrow[d] = kt.get() + d * np;
+  }
+};
+
+// Online softmax over one chunk: S[r, :n] (scores) becomes P, each row's running max/sum/acc rescaled.
+// Row r sees nr = clamp(last_pos(r) - p0 + 1, 0, n) slots of the chunk; the rest of its P is 0.
+inline void softmax_chunk(float* S, int64_t np, float* acc, float* mx, float* sum, int64_t M, int64_t D,
+                          int64_t n, int64_t first_last_pos, int64_t G, int64_t p0) {
+  const auto vsum_all = [](Vec x, Vec y) { return x + y; };
+  const auto vmax_all = [](Vec x, Vec y) { return at::vec::maximum(x, y); };
+  for (int64_t r = 0; r < M; ++r) {
+    float* srow = S + r * np;
+    const int64_t nr = std::clamp<int64_t>(first_last_pos + r / G - p0 + 1, 0, n);
+    if (nr == 0) {  // every slot of this chunk is in the row's future
+      std::fill(srow, srow + np, 0.f);
+      continue;
+    }
+    std::fill(srow + nr, srow + np, kNegInf);
+    Vec vmax(kNegInf);
+    for (int64_t s = 0; s < np; s += VS) vmax = at::vec::maximum(vmax, Vec::loadu(srow + s));
+    const float new_max = std::max(mx[r], at::vec::vec_reduce_all<float>(vmax_all, vmax));
+    const float alpha = std::exp(mx[r] - new_max);  // exp(-inf) = 0 on the first chunk
+    const Vec vm(new_max);
+    for (int64_t s = 0; s < np; s += VS) (Vec::loadu(srow + s) - vm).exp_u20().store(srow + s);
+    std::fill(srow + nr, srow + np, 0.f);  // masked slots: exact zeros, whatever exp gave for -inf
+    Vec vsum(0.f);
+    for (int64_t s = 0; s < np; s += VS) vsum = vsum + Vec::loadu(srow + s);
+    sum[r] = sum[r] * alpha + at::vec::vec_reduce_all<float>(vsum_all, vsum);
+    mx[r] = new_max;
+    if (alpha != 1.f) {
+      float* arow = acc + r * D;
+      int64_t d = 0;
+      for (; d + VS <= D; d += VS) (Vec::loadu(arow + d) * Vec(alpha)).store(arow + d);
+      for (; d < D; ++d) arow[d] *= alpha;
+    }
+  }
+}
+
+// One work item: item-wide view of the call's tensors and the item's place in them.
+template <typename QT, typename KT>
+struct Item {
+  const Geometry& g;
+  const WorkItem& w;
+  const QT* q;
+  QT* out;
+  const KT* kc;
+  const KT* vc;
+  const int32_t* table;  // this sequence's block ids
+  int64_t ctx_start;  // position of the sequence's first query token
+  int64_t q_token0;  // flat index of the sequence's first query token
+  Scratch& sc;
+
+  int64_t heads() const { return w.head_end - w.head_begin; }
+  int64_t rows() const { return (w.q_end - w.q_begin) * g.G; }  // per KV head: query r / G, head kv * G + r % G
+  int64_t token(int64_t r) const { return q_token0 + w.q_begin + r / g.G; }
+  int64_t head(int64_t hh, int64_t r) const { return (w.head_begin + hh) * g.G + r % g.G; }
+
+  // Scaled fp32 queries into sc.q ([heads][rows][D]); running max -inf, sum 0, accumulator 0.
+  void begin() {
+    const int64_t M = rows(), D = g.D;
+    for (int64_t hh = 0; hh < heads(); ++hh)
+      for (int64_t r = 0; r < M; ++r) {
+        to_float(q + token(r) * g.q_t + head(hh, r) * g.q_h, sc.q.get() + (hh * M + r) * D, D, g.scale);
+        sc.m[hh * M + r] = kNegInf;
+        sc.l[hh * M + r] = 0.f;
+      }
+    std::fill(sc.acc.get(), sc.acc.get() + heads() * M * D, 0.f);
+  }
+
+  void finish() {
+    const int64_t M = rows(), D = g.D;
+    for (int64_t hh = 0; hh < heads(); ++hh)
+      for (int64_t r = 0; r < M; ++r) {
+        QT* o = out + token(r) * g.o_t + head(hh, r) * g.o_h;
+        const float l = sc.l[hh * M + r], inv = l > 0.f ? 1.f / l : 0.f;
+        const float* arow = sc.acc.get() + (hh * M + r) * D;
+        if constexpr (std::is_same_v<QT, float>) {
+          int64_t d = 0;
+          for (; d + VS <= D; d += VS) (Vec::loadu(arow + d) * Vec(inv)).store(o + d);
+          for (; d < D; ++d) o[d] = arow[d] * inv;
+        } else {
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(arow[d] * inv);
+        }
+      }
+  }
+
+  // Element offsets of the chunk's slots [p0, p0 + n) (head 0) into sc.koff / sc.voff.
+  void locate(int64_t p0, int64_t n) {
+    for (int64_t s = 0; s < n; ++s) {
+      const int64_t blk = table[(p0 + s) / g.BS], slot = (p0 + s) % g.BS;
+      sc.koff[s] = blk * g.k_b + slot * g.k_s;
+      sc.voff[s] = blk * g.v_b + slot * g.v_s;
+    }
+  }
+
+  // An fp32 view of one cached row: in place for fp32, widened into ``tmp`` for bf16.
+  static const float* row(const KT* src, float* tmp, int64_t D) {
+    if constexpr (std::is_same_v<KT, float>) {
+      return src;
+    } else {
+      to_float(src, tmp, D);
+      return tmp;
+    }
+  }
+
+  // Few rows (decodes, short chunks): memory-bound. Every pass walks the chunk in memory order, each
+  // token row holding all the item's KV heads, so the hardware prefetchers see long forward streams.
+  void run_streaming() {
+    const int64_t M = rows(), nh = heads(), D = g.D;
+    const int64_t ch = chunk_slots(g.BS), np = round_up(ch, VS);
+    const int64_t kv_end = ctx_start + w.q_end;
+    float* S = sc.s.get();  // [heads][rows][np]
+    for (int64_t p0 = 0; p0 < kv_end; p0 += ch) {
+      const int64_t n = std::min(ch, kv_end - p0);
+      locate(p0, n);
+      for (int64_t s = 0; s < n; ++s)
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          const float* kr = row(kc + sc.koff[s] + (w.head_begin + hh) * g.k_h, sc.kf.get(), D);
+          for (int64_t r = 0; r < M; ++r)
+            S[(hh * M + r) * np + s] = dot(sc.q.get() + (hh * M + r) * D, kr, D);
+        }
+      for (int64_t hh = 0; hh < nh; ++hh)
+        softmax_chunk(S + hh * M * np, np, sc.acc.get() + hh * M * D, sc.m.get() + hh * M, sc.l.get() + hh * M,
+                      M, D, n, ctx_start + w.q_begin, g.G, p0);
+      for (int64_t s = 0; s < n; ++s)
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          const float* vr = row(vc + sc.voff[s] + (w.head_begin + hh) * g.v_h, sc.vf.get(), D);
+          for (int64_t r = 0; r < M; ++r) {
+            const float p = S[(hh * M + r) * np + s];
+            if (p == 0.f) continue;
+            float* arow = sc.acc.get() + (hh * M + r) * D;
+            int64_t d = 0;
+            for (; d + VS <= D; d += VS)
+              at::vec::fmadd(Vec(p), Vec::loadu(vr + d), Vec::loadu(arow + d)).store(arow + d);
+            for (; d < D; ++d) arow[d] += p * vr[d];
+          }
+        }
+    }
+  }
+
+  // Many rows (prefill tiles): compute-bound. Per KV head, QK^T and PV are register-blocked mini GEMMs,
+  // the K chunk transposed once into scratch; K/V are re-read by later tiles from cache.
+  void run_tiled() {
+    const int64_t M = rows(), D = g.D;
+    const int64_t ch = chunk_slots(g.BS), np = round_up(ch, VS);
+    const int64_t kv_end = ctx_start + w.q_end;
+    float* S = sc.s.get();  // [rows][np]
+    float* kt = sc.kt.get();  // [D][np]
+    for (int64_t p0 = 0; p0 < kv_end; p0 += ch) {
+      const int64_t n = std::min(ch, kv_end - p0);
+      locate(p0, n);
+      for (int64_t hh = 0; hh < heads(); ++hh) {
+        const int64_t h = w.head_begin + hh;
+        for (int64_t s = 0; s < n; ++s) {
+          const float* kr = row(kc + sc.koff[s] + h * g.k_h, sc.kf.get() + s * D, D);
+          for (int64_t d = 0; d < D; ++d) kt[d * np + s] = kr[d];
+          sc.vrow[s] = row(vc + sc.voff[s] + h * g.v_h, sc.vf.get() + s * D, D);
+        }
+        float* acc = sc.acc.get() + hh * M * D;
+        small_gemm(sc.q.get() + hh * M * D, D, sc.ktrow.get(), S, np, M, D, n, false);  // S = Q K^T
+        softmax_chunk(S, np, acc, sc.m.get() + hh * M, sc.l.get() + hh * M, M, D, n, ctx_start + w.q_begin,
+                      g.G, p0);
+        small_gemm(S, np, sc.vrow.get(), acc, D, M, n, D, true);  // acc[M, D] += P[M, n] V[n, D]
+      }
+    }
+  }
+};
+
+template <typename QT, typename KT>
+void run_all(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+             const int32_t* table, const int32_t* seq_lens, const int32_t* qsl, int64_t B, const Geometry& g) {
+  // Query tile: enough queries that a tile has about kTileRows rows per KV head; a decode is one tile.
+  const int64_t tile_q = std::max<int64_t>(1, kTileRows / g.G);
+  const int64_t threads = at::get_num_threads();
+  // Memory-bound items (few rows: decodes, short chunks) take several KV heads, so they stream whole
+  // contiguous token rows of the cache; halve the group while that leaves threads without work.
+  int64_t small = 0, large = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t ql = qsl[i + 1] - qsl[i];
+    if (ql > 0 && ql * g.G < kGemmRowsMin) ++small;
+    else large += (ql + tile_q - 1) / tile_q * g.KVH;
+  }
+  int64_t group = g.KVH;
+  while (group % 2 == 0 && small * (g.KVH / group) + large < 2 * threads) group /= 2;
+  std::vector<WorkItem> items;
+  int64_t max_rows = 1;
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t ql = qsl[i + 1] - qsl[i], ctx_start = seq_lens[i] - ql;
+    const int64_t heads = ql * g.G < kGemmRowsMin ? group : 1;
+    for (int64_t j0 = 0; j0 < ql; j0 += tile_q) {
+      const int64_t j1 = std::min(ql, j0 + tile_q);
+      const int64_t cost = heads * ((j1 - j0) * g.G * (ctx_start + j1) + 8 * (ctx_start + j1));
+      max_rows = std::max(max_rows, heads * (j1 - j0) * g.G);
+      for (int64_t h = 0; h < g.KVH; h += heads) items.push_back({i, h, h + heads, j0, j1, cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  const QT* qp = q.const_data_ptr<QT>();
+  QT* op = out.data_ptr<QT>();
+  const KT* kp = k_cache.const_data_ptr<KT>();
+  const KT* vp = v_cache.const_data_ptr<KT>();
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(threads, n_items));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, n_threads, 1, [&](int64_t, int64_t) {
+    Scratch sc(max_rows, g.D, g.BS);
+    for (int64_t k = next.fetch_add(1); k < n_items; k = next.fetch_add(1)) {
+      const WorkItem& w = items[k];
+      const int64_t ql = qsl[w.seq + 1] - qsl[w.seq];
+      Item<QT, KT> it{g, w, qp, op, kp, vp, table + w.seq * g.W, seq_lens[w.seq] - ql, qsl[w.seq], sc};
+      it.begin();
+      if (it.rows() < kGemmRowsMin)
+        it.run_streaming();
+      else
+        it.run_tiled();
+      it.finish();
+    }
+  });
+}
+
+void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "paged_attention: q and out must be [T, H, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "paged_attention: caches must be [NB, BS, KVH, D]");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type(), "paged_attention: q and out dtypes differ");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_attention: k and v cache dtypes differ");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "paged_attention: the head dim must be contiguous");
+  for (const auto* t : {&block_table, &seq_lens, &query_start_loc})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "paged_attention: metadata must be contiguous int32");
+  const int64_t B = seq_lens.size(0);
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) >= B && query_start_loc.size(0) == B + 1,
+              "paged_attention: block_table [B, W], seq_lens [B], query_start_loc [B + 1]");
+  Geometry g{};
+  g.H = q.size(1), g.D = q.size(2), g.NB = k_cache.size(0), g.BS = k_cache.size(1), g.KVH = k_cache.size(2);
+  g.W = block_table.size(1);
+  TORCH_CHECK(k_cache.size(3) == g.D && g.KVH > 0 && g.H % g.KVH == 0, "paged_attention: head geometry mismatch");
+  g.G = g.H / g.KVH;
+  g.q_t = q.stride(0), g.q_h = q.stride(1), g.o_t = out.stride(0), g.o_h = out.stride(1);
+  g.k_b = k_cache.stride(0), g.k_s = k_cache.stride(1), g.k_h = k_cache.stride(2);
+  g.v_b = v_cache.stride(0), g.v_s = v_cache.stride(1), g.v_h = v_cache.stride(2);
+  g.scale = static_cast<float>(scale);
+  const int32_t* table = block_table.const_data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.const_data_ptr<int32_t>();
+  // Validate every index the kernel will follow, so bad metadata raises instead of reading stray memory.
+  TORCH_CHECK(qsl[0] >= 0 && qsl[B] <= q.size(0), "paged_attention: query_start_loc out of range");
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t ql = qsl[i + 1] - qsl[i];
+    TORCH_CHECK(ql >= 0 && lens[i] >= ql, "paged_attention: sequence ", i, " has q_len ", ql, " > seq_len ", lens[i]);
+    const int64_t nblk = (lens[i] + g.BS - 1) / g.BS;
+    TORCH_CHECK(ql == 0 || nblk <= g.W, "paged_attention: sequence ", i, " needs ", nblk, " blocks, table has ", g.W);
+    for (int64_t b = 0; ql > 0 && b < nblk; ++b) {
+      const int32_t id = table[i * g.W + b];
+      TORCH_CHECK(id >= 0 && id < g.NB, "paged_attention: block id ", id, " out of range [0, ", g.NB, ")");
+    }
+  }
+  const auto qt = q.scalar_type(), kt = k_cache.scalar_type();
+  TORCH_CHECK((qt == at::kFloat || qt == at::kBFloat16) && (kt == at::kFloat || kt == at::kBFloat16),
+              "paged_attention: float32 or bfloat16 only");
+  using BF = c10::BFloat16;
+  if (qt == at::kFloat && kt == at::kFloat)
+    run_all<float, float>(out, q, k_cache, v_cache, table, lens, qsl, B, g);
+  else if (qt == at::kFloat)
+    run_all<float, BF>(out, q, k_cache, v_cache, table, lens, qsl, B, g);
+  else if (kt == at::kFloat)
+    run_all<BF, float>(out, q, k_cache, v_cache, table, lens, qsl, B, g);
+  else
+    run_all<BF, BF>(out, q, k_cache, v_cache, table, lens, qsl, B, g);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(bucketserve_cpu, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(bucketserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,0 +1,216 @@
+"""The paged attention kernel (C++) and its pure-torch fallback against a dense float64 reference."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import kernels
+from engine.kernels import build
+from engine.kernels.paged_attention_ref import paged_attention_ref
+
+H, D = 8, 64
+
+
+@dataclass
+class Case:
+    q: torch.Tensor  # [T, H, D]
+    k_cache: torch.Tensor  # [NB, BS, KVH, D]
+    v_cache: torch.Tensor  # [NB, BS, KVH, D]
+    block_table: torch.Tensor  # [B, W] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    scale: float
+
+    def args(self, out: torch.Tensor) -> tuple:
+        return (
+            out,
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_table,
+            self.seq_lens,
+            self.query_start_loc,
+            self.scale,
+        )
+
+
+def make_case(
+    seqs: list[tuple[int, int]], kvh: int, bs: int, dtype: torch.dtype, seed: int = 0, spare: int = 5
+) -> Case:
+    """seqs: (q_len, seq_len) per sequence. Blocks get shuffled ids, with ``spare`` unreferenced ones."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-s // bs) for _, s in seqs]
+    nb = sum(need) + spare
+    ids = list(range(nb))
+    random.Random(seed).shuffle(ids)
+    width = max(need) + 1
+    table = torch.zeros(len(seqs), width, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(need):
+        table[i, :n] = torch.tensor(ids[at : at + n], dtype=torch.int32)
+        at += n
+    t = sum(q for q, _ in seqs)
+    starts = [0]
+    for q, _ in seqs:
+        starts.append(starts[-1] + q)
+    return Case(
+        q=torch.randn(t, H, D, generator=g).to(dtype),
+        k_cache=torch.randn(nb, bs, kvh, D, generator=g).to(dtype),
+        v_cache=torch.randn(nb, bs, kvh, D, generator=g).to(dtype),
+        block_table=table,
+        seq_lens=torch.tensor([s for _, s in seqs], dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        scale=1.0 / math.sqrt(D),
+    )
+
+
+def dense_reference(c: Case) -> torch.Tensor:
+    """Each sequence's K/V materialised slot by slot, explicit causal-with-offset mask, float64."""
+    bs, kvh = c.k_cache.shape[1], c.k_cache.shape[2]
+    out = torch.zeros(c.q.shape, dtype=torch.float64)
+    for i, seq_len in enumerate(c.seq_lens.tolist()):
+        q0, q1 = c.query_start_loc[i].item(), c.query_start_loc[i + 1].item()
+        pos = torch.arange(seq_len)
+        blocks = c.block_table[i].long()[pos // bs]
+        k = c.k_cache[blocks, pos % bs].double()  # [S, KVH, D]
+        v = c.v_cache[blocks, pos % bs].double()
+        k = k.repeat_interleave(H // kvh, dim=1)  # [S, H, D]: head h uses KV head h // G
+        v = v.repeat_interleave(H // kvh, dim=1)
+        q = c.q[q0:q1].double()  # [Q, H, D]
+        scores = torch.einsum("qhd,shd->hqs", q, k) * c.scale
+        qpos = torch.arange(seq_len - (q1 - q0), seq_len)
+        scores = scores.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
+        out[q0:q1] = torch.einsum("hqs,shd->qhd", scores.softmax(-1), v)
+    return out
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    op = build.load()
+    if op is None:
+        pytest.skip("the C++ kernel cannot be built here (the fallback tests still run)")
+    return op
+
+
+IMPLS = ["kernel", "fallback"]
+
+
+def _impl(name: str, request: pytest.FixtureRequest):
+    return request.getfixturevalue("kernel") if name == "kernel" else paged_attention_ref
+
+
+def _run(fn, c: Case) -> torch.Tensor:
+    out = torch.full_like(c.q, float("nan"))
+    fn(*c.args(out))
+    return out
+
+
+def _check(fn, c: Case) -> None:
+    out = _run(fn, c)
+    ref = dense_reference(c)
+    if c.q.dtype == torch.float32 and c.k_cache.dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def _decode(batch: int, seed: int) -> list[tuple[int, int]]:
+    rnd = random.Random(seed)
+    lens = [1, 16, 17, 128, 129, 600] + [rnd.randint(1, 600) for _ in range(batch)]
+    return [(1, s) for s in lens[:batch]]
+
+
+KINDS = {
+    "decode1": [(1, 37)],
+    "decode8": _decode(8, 1),
+    "decode32": _decode(32, 2),
+    "prefill": [(1, 1), (17, 17), (128, 128), (300, 300)],
+    "chunked": [(50, 250), (128, 129), (200, 600), (16, 32)],
+    "mixed": [(1, 600), (1, 5), (300, 300), (64, 400), (1, 129), (33, 33)],
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bs", [16, 128])
+@pytest.mark.parametrize("kvh", [8, 4, 2])  # GQA ratios 1, 2, 4
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_fp32_matches_dense(kind: str, kvh: int, bs: int, impl: str, request: pytest.FixtureRequest) -> None:
+    _check(_impl(impl, request), make_case(KINDS[kind], kvh, bs, torch.float32, seed=bs + kvh))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", ["decode8", "chunked", "mixed"])
+def test_bf16_matches_dense(kind: str, impl: str, request: pytest.FixtureRequest) -> None:
+    _check(_impl(impl, request), make_case(KINDS[kind], 4, 16, torch.bfloat16, seed=3))
+
+
+def test_kernel_bf16_cache_fp32_query(kernel) -> None:
+    c = make_case(KINDS["mixed"], 2, 128, torch.bfloat16, seed=4)
+    c.q = c.q.float()
+    _check(kernel, c)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_reads_blocks_in_place(impl: str, request: pytest.FixtureRequest) -> None:
+    """Unreferenced blocks and slots past each sequence's end are NaN: outputs stay finite and equal."""
+    fn = _impl(impl, request)
+    c = make_case(KINDS["mixed"], 4, 16, torch.float32, seed=5, spare=9)
+    before = _run(fn, c)
+    bs = c.k_cache.shape[1]
+    used = torch.zeros(c.k_cache.shape[:2], dtype=torch.bool)  # [NB, BS]
+    for i, seq_len in enumerate(c.seq_lens.tolist()):
+        pos = torch.arange(seq_len)
+        used[c.block_table[i].long()[pos // bs], pos % bs] = True
+    for cache in (c.k_cache, c.v_cache):
+        cache[~used] = float("nan")
+    after = _run(fn, c)
+    assert torch.isfinite(after).all()
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
+
+
+def test_strided_views_of_the_engine_cache(kernel) -> None:
+    """The engine passes KVCache.data[layer, 0/1] and a query reshaped from [B, H, Q, D]: views, not copies."""
+    c = make_case(KINDS["mixed"], 4, 16, torch.float32, seed=6)
+    data = torch.stack([torch.stack([c.k_cache, c.v_cache])] * 2)  # [L=2, 2, NB, BS, KVH, D]
+    q_strided = c.q.transpose(0, 1).contiguous().transpose(0, 1)  # [T, H, D] with head-major storage
+    out = torch.empty(c.q.shape[1], c.q.shape[0], D).transpose(0, 1)  # [T, H, D] non-contiguous
+    kernel(out, q_strided, data[1, 0], data[1, 1], c.block_table, c.seq_lens, c.query_start_loc, c.scale)
+    torch.testing.assert_close(out.double(), dense_reference(c), atol=2e-5, rtol=1e-5)
+
+
+def test_kernel_rejects_bad_metadata(kernel) -> None:
+    c = make_case([(1, 40)], 4, 16, torch.float32)
+    c.block_table[0, 1] = c.k_cache.shape[0]  # one past the last block
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel(*c.args(torch.empty_like(c.q)))
+    c = make_case([(5, 3)], 4, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="q_len"):
+        kernel(*c.args(torch.empty_like(c.q)))
+
+
+def test_kernel_is_a_registered_opaque_op(kernel) -> None:
+    c = make_case(KINDS["chunked"], 4, 16, torch.float32, seed=7)
+    torch.library.opcheck(torch.ops.bucketserve_cpu.paged_attention.default, c.args(torch.empty_like(c.q)))
+
+
+def test_broken_source_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BUCKETSERVE_CACHE", str(tmp_path / "cache"))
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("#error this source does not compile\n")
+    with pytest.warns(RuntimeWarning, match="build failed"):
+        assert build.load(broken) is None
+
+
+def test_no_compiler_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(build, "_compiler", lambda: None)
+    monkeypatch.setattr(build, "_loaded", {})
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        assert build.load(tmp_path / "any.cpp") is None
+    monkeypatch.setattr(build, "load", lambda: None)
+    assert kernels.cpu_paged_attention() is paged_attention_ref

@@ -43,6 +43,13 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--skip-warmup", action="store_true", help="development only: no warm-up, no graphs")
     parser.add_argument("--compile", action="store_true", help="CPU: torch.compile(dynamic=False) per bucket")
+    parser.add_argument(
+        "--shape-policy",
+        default="auto",
+        choices=["auto", "flat", "buckets"],
+        help="flat: no padding, decodes and prefill chunks in one step (CPU, CUDA default); buckets: padded "
+        "warmed shapes (HPU default)",
+    )
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -13,6 +13,10 @@ DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_MAX_NUM_PREFILL_SEQS = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 DEFAULT_BLOCK_SIZE = {"hpu": 128, "cuda": 16, "cpu": 16}
+# What a device runs by default: flat tokens with no padding (CPU, CUDA), or the 3-D shape buckets that HPU
+# graphs need. ``--shape-policy`` overrides, so the bucket path runs on CPU in CI too.
+SHAPE_POLICIES = ("flat", "buckets")
+DEFAULT_SHAPE_POLICY = {"hpu": "buckets", "cuda": "flat", "cpu": "flat"}
 
 
 class ConfigError(ValueError):
@@ -95,6 +99,9 @@ class EngineConfig:
     skip_warmup: bool = False
     # CPU only: torch.compile(dynamic=False) per warmed bucket.
     compile: bool = False
+    # "flat" (no padding; decodes and prefill chunks share a step), "buckets" (padded warmed shapes), or
+    # "auto": the device's default, resolved at start-up.
+    shape_policy: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     bucketing: BucketingConfig = field(default_factory=BucketingConfig)
@@ -106,6 +113,10 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not self.model:
             raise ConfigError("EngineConfig.model must not be empty")
+        if self.shape_policy not in ("auto", *SHAPE_POLICIES):
+            raise ConfigError(
+                f"EngineConfig.shape_policy must be auto, flat or buckets, got {self.shape_policy!r}"
+            )
 
 
 def config_from_args(args) -> EngineConfig:
@@ -122,6 +133,7 @@ def config_from_args(args) -> EngineConfig:
         seed=g("seed", 0),
         skip_warmup=bool(g("skip_warmup", False)),
         compile=bool(g("compile", False)),
+        shape_policy=g("shape_policy", "auto"),
         cache=CacheConfig(
             **given(
                 block_size=g("block_size"),
@@ -156,4 +168,5 @@ def resolve_engine_config(cfg: EngineConfig, device_name: str, model_max_len: in
             f"SchedulerConfig.max_model_len ({sched.max_model_len}) exceeds the model's "
             f"max_position_embeddings ({model_max_len})"
         )
-    return replace(cfg, device=device_name, cache=cache, scheduler=sched)
+    policy = DEFAULT_SHAPE_POLICY[device_name] if cfg.shape_policy == "auto" else cfg.shape_policy
+    return replace(cfg, device=device_name, cache=cache, scheduler=sched, shape_policy=policy)

@@ -20,13 +20,24 @@ from bucket_manager.shape_buckets import ShapeBucketConfig, ShapeBuckets
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig, resolve_engine_config
 from engine.device import get_device
+from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION
+from engine.flat_runner import FlatRunner
 from engine.kv_cache import KVCache
 from engine.memory import plan_kv_memory
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from engine.sampler import Sampler
-from engine.scheduler import RunningSeq, StepLimits, StepPlan, WaitingSeq, plan_step
+from engine.scheduler import (
+    FlatLimits,
+    RunningSeq,
+    SeqState,
+    StepLimits,
+    StepPlan,
+    WaitingSeq,
+    plan_flat_step,
+    plan_step,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,16 +64,32 @@ class LLMEngine:
         plan = plan_kv_memory(cfg.cache, self.device, self.kv_spec, peak, min_blocks)
         self.kv_cache = KVCache(self.kv_spec, plan.num_blocks, self.device.torch_device)
         self.allocator = BlockAllocator(plan.num_blocks)
+        # The controller's request buckets snap to these shapes whatever the policy; only "buckets" pads to them.
         self.buckets = self._make_buckets(plan.num_blocks)
-        self.runner = ModelRunner(
-            self.loaded.model,
-            self.kv_cache,
-            self.device,
-            self.buckets,
-            sched.max_model_len,
-            compile_cpu=cfg.compile,
-        )
+        self.runner: FlatRunner | ModelRunner
+        if cfg.shape_policy == "flat":
+            self.loaded.model.set_attn_implementation(FLAT_ATTN_IMPLEMENTATION)
+            self.runner = FlatRunner(
+                self.loaded.model,
+                self.kv_cache,
+                self.device,
+                self.device.paged_attention(),
+                sched.max_num_batched_tokens,
+                compile_cpu=cfg.compile,
+            )
+            self._step = self._step_flat
+        else:
+            self.runner = ModelRunner(
+                self.loaded.model,
+                self.kv_cache,
+                self.device,
+                self.buckets,
+                sched.max_model_len,
+                compile_cpu=cfg.compile,
+            )
+            self._step = self._step_buckets
         self.limits = StepLimits(sched.max_num_seqs, sched.max_num_prefill_seqs, sched.max_num_batched_tokens)
+        self.flat_limits = FlatLimits(sched.max_num_seqs, sched.max_num_batched_tokens, bs)
         self.sampler = Sampler(cfg.seed)
         self.waiting: collections.deque[Request] = collections.deque()
         # Optional admission order of new requests (smaller key first; equal keys stay FCFS). None: FCFS.
@@ -216,6 +243,61 @@ class LLMEngine:
         return found[1] if found else n
 
     def step(self) -> list[RequestOutput]:
+        """One forward pass over the running and waiting requests, by the engine's shape policy."""
+        return self._step()
+
+    def padded_prompt_tokens(self, lengths: Sequence[int]) -> int:
+        """Token rows a prefill batch of these prompt lengths computes: padded to the warmed bucket under the
+        ``buckets`` policy, exactly the prompts under ``flat``."""
+        real = sum(lengths)
+        if self.config.shape_policy == "flat":
+            return real
+        shape = self.buckets.find_prompt(len(lengths), max(lengths), 0)
+        return max(real, shape[0] * shape[1]) if shape is not None else real
+
+    def _step_flat(self) -> list[RequestOutput]:
+        """Decodes and prefill chunks in one step of flat tokens (chunked prefill), under the token budget."""
+
+        def state(r: Request) -> SeqState:
+            return SeqState(r.request_id, r.num_computed_tokens, r.num_tokens, len(r.block_ids))
+
+        plan = plan_flat_step(
+            [state(r) for r in self.running],
+            [state(r) for r in self.waiting],
+            self.allocator.num_free,
+            self.flat_limits,
+        )
+        for rid in plan.preempt_ids:
+            self._preempt(self.requests[rid])
+        if not plan.scheduled:
+            return []
+        items = []
+        for rid, n in plan.scheduled:
+            r = self.requests[rid]
+            if r.status == RequestStatus.WAITING:
+                self.waiting.remove(r)
+                r.status = RequestStatus.RUNNING
+                self.running.append(r)
+            self._grow(r, r.num_computed_tokens + n)
+            items.append((r, n))
+        logits, sampled = self.runner.run(items)
+        decodes = sum(1 for r, n in items if n == 1 and r.num_generated_tokens > 0)
+        self.stats["decode_steps"] += 1 if decodes else 0
+        self.stats["prefill_steps"] += 1 if decodes < len(items) else 0
+        self.stats["prompt_tokens"] += sum(n for r, n in items) - decodes
+        for r, n in items:
+            r.num_computed_tokens += n
+        tokens, logprobs = self.sampler(logits, sampled)
+        outs = []
+        for i, r in enumerate(sampled):
+            outs.append(self._append(r, tokens[i], logprobs[i] if logprobs else None))
+            if r.finished:
+                self.running.remove(r)
+                self._release(r)
+        return outs
+
+    def _step_buckets(self) -> list[RequestOutput]:
+        """A prefill step or a decode step, each padded to a warmed shape bucket."""
         plan = self._plan()
         if plan.kind == "prefill":
             reqs = [self.requests[i] for i in plan.request_ids]

@@ -81,3 +81,87 @@ def plan_step(
         need -= victim.blocks_needed
         freed += victim.blocks_held
     return StepPlan("decode", tuple(r.request_id for r in keep), tuple(preempt))
+
+
+# ---------------------------------------------------------------------------------------------- flat tokens
+
+
+@dataclass(frozen=True)
+class SeqState:
+    """A request as the flat step policy sees it: ``num_tokens`` known (prompt + generated), ``num_computed``
+    of them in the cache, ``blocks_held`` blocks of ``block_size`` tokens."""
+
+    request_id: str
+    num_computed: int
+    num_tokens: int
+    blocks_held: int
+
+
+@dataclass(frozen=True)
+class FlatLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int  # the step's token budget
+    block_size: int
+
+
+@dataclass(frozen=True)
+class FlatPlan:
+    scheduled: tuple[tuple[str, int], ...] = ()  # (request id, tokens this step computes), in batch order
+    preempt_ids: tuple[str, ...] = ()  # running requests pushed back to waiting (their blocks freed)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+def _new_blocks(s: SeqState, n: int, block_size: int) -> int:
+    return max(0, -(-(s.num_computed + n) // block_size) - s.blocks_held)
+
+
+def plan_flat_step(
+    running: Sequence[SeqState], waiting: Sequence[SeqState], free_blocks: int, limits: FlatLimits
+) -> FlatPlan:
+    """One step of flat tokens under a token budget: every running request first (a decode is one token, a
+    request part-way through its prompt gets the next chunk of it), then waiting requests in order, each with
+    as much of its prompt as the budget and the free blocks allow (chunked prefill). When the running requests'
+    blocks do not fit, the newest are preempted, so the oldest keep making progress. A waiting request is
+    admitted only with one free block left per request already in the step, so admitting prefill work cannot
+    starve the next decode step; nothing behind a waiting request that does not fit is admitted (FCFS)."""
+    bs = limits.block_size
+    budget = limits.max_num_batched_tokens
+    keep = list(running)
+    preempt: list[str] = []
+    # Running requests want all their remaining tokens this step (1 for a decode), within the budget.
+    while True:
+        wants, tokens = [], 0
+        for s in keep:
+            n = min(s.num_tokens - s.num_computed, budget - tokens)
+            if n <= 0:
+                break
+            wants.append((s, n))
+            tokens += n
+        need = sum(_new_blocks(s, n, bs) for s, n in wants)
+        if need <= free_blocks or not keep:
+            break
+        victim = keep.pop()
+        preempt.append(victim.request_id)
+        free_blocks += victim.blocks_held
+    scheduled = [(s.request_id, n) for s, n in wants]
+    free = free_blocks - need
+    room = limits.max_num_seqs - len(keep)
+    for s in waiting:
+        left = budget - tokens
+        if room <= 0 or left <= 0:
+            break
+        # As many of its tokens as fit in the budget and in the free blocks, keeping one block in reserve
+        # per request already scheduled.
+        spare = free - len(scheduled)
+        fit = (s.blocks_held + spare) * bs - s.num_computed
+        n = min(s.num_tokens - s.num_computed, left, fit)
+        if n <= 0:
+            break
+        scheduled.append((s.request_id, n))
+        tokens += n
+        free -= _new_blocks(s, n, bs)
+        room -= 1
+    return FlatPlan(tuple(scheduled), tuple(preempt))

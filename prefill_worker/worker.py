@@ -197,10 +197,9 @@ class PrefillWorker(EngineWorker):
     def _record_batch(self, reqs: list[Request]) -> None:
         if self._monitor is None:
             return
-        real = sum(r.num_prompt_tokens for r in reqs)
-        shape = self.engine.buckets.find_prompt(len(reqs), max(r.num_prompt_tokens for r in reqs), 0)
-        padded = shape[0] * shape[1] if shape is not None else real
-        rec = BatchRecord(self.config.worker_id, "prefill", len(reqs), real, max(padded, real), time.time())
+        lengths = [r.num_prompt_tokens for r in reqs]
+        padded = self.engine.padded_prompt_tokens(lengths)
+        rec = BatchRecord(self.config.worker_id, "prefill", len(reqs), sum(lengths), padded, time.time())
         self._monitor.record_batch.remote(rec)
 
     # ------------------------------------------------------------------ sending

@@ -1,5 +1,6 @@
-"""Greedy output of the engine equals Hugging Face generate, token for token, through bucketed
-prefill, a prompt above every prompt bucket, and continuous batching with joins and leaves."""
+"""Greedy output of the engine equals Hugging Face generate, token for token, under both shape policies: flat
+tokens (decodes and prefill chunks mixed in one step) and padded shape buckets (bucketed prefill, a prompt above
+every prompt bucket), through continuous batching with joins, leaves and preemption."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from engine_helpers import random_prompts, small_config
 from engine.llm_engine import LLMEngine
 from engine.request import Request, SamplingParams
 
+POLICIES = ["flat", "buckets"]
 
-@pytest.fixture(scope="module")
-def engine():
-    return LLMEngine(small_config(skip_warmup=False))
+
+@pytest.fixture(scope="module", params=POLICIES)
+def engine(request):
+    return LLMEngine(small_config(skip_warmup=False, shape_policy=request.param))
 
 
 def test_greedy_matches_hf_with_continuous_batching(engine: LLMEngine, hf_reference) -> None:
@@ -40,18 +43,24 @@ def test_greedy_matches_hf_with_continuous_batching(engine: LLMEngine, hf_refere
     for r in reqs:
         expected = hf_reference(engine.loaded.path).greedy(r.prompt_token_ids, r.sampling.max_tokens)
         assert r.output_token_ids == expected, f"{r.request_id} (prompt {r.num_prompt_tokens} tokens) differs"
-    # The long prompt ran above every warmed prompt bucket: counted as a runtime compilation.
-    assert engine.runner.runtime_compilations >= 1
+    if engine.config.shape_policy == "buckets":
+        # The long prompt ran above every warmed prompt bucket: counted as a runtime compilation.
+        assert engine.runner.runtime_compilations >= 1
+    else:
+        # Flat steps have no shape to miss; the long prompt went in chunks of the token budget.
+        assert engine.runner.runtime_compilations == 0
+        assert largest_query + 44 > engine.config.scheduler.max_num_batched_tokens
     engine.check_integrity()
     assert engine.allocator.num_used == 0
 
 
-def test_preemption_recomputes_and_stays_exact(hf_reference) -> None:
+@pytest.mark.parametrize("policy", POLICIES)
+def test_preemption_recomputes_and_stays_exact(policy, hf_reference) -> None:
     # 16 blocks of 16 tokens cannot hold four ~41-token prompts growing by 60 tokens (28 blocks): requests are
     # preempted (blocks freed, recomputed later) and the output must still equal the reference.
     from engine.config import CacheConfig
 
-    engine = LLMEngine(small_config(cache=CacheConfig(block_size=16, num_blocks=16)))
+    engine = LLMEngine(small_config(cache=CacheConfig(block_size=16, num_blocks=16), shape_policy=policy))
     prompts = random_prompts([40, 41, 42, 43], seed=2)
     reqs = [
         Request(f"p{i}", p, SamplingParams(max_tokens=60, ignore_eos=True)) for i, p in enumerate(prompts)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 from engine_helpers import random_prompts, small_config
 
 from engine.llm_engine import LLMEngine
 from engine.request import Request, SamplingParams
 
 
-def test_layer_hook_sees_every_layer_in_order_with_kv_written() -> None:
-    engine = LLMEngine(small_config())
+@pytest.mark.parametrize("policy", ["flat", "buckets"])
+def test_layer_hook_sees_every_layer_in_order_with_kv_written(policy) -> None:
+    engine = LLMEngine(small_config(shape_policy=policy))
     req = Request("h", random_prompts([30], seed=9)[0], SamplingParams(max_tokens=2))
     seen: list[int] = []
     snapshots: list[float] = []

@@ -28,7 +28,7 @@ def _reqs(alloc: BlockAllocator, lengths: list[int]) -> list[Request]:
 
 
 def test_prompt_and_decode_padding_keep_real_rows_exact() -> None:
-    engine = LLMEngine(small_config())
+    engine = LLMEngine(small_config(shape_policy="buckets"))
     padded, alloc_a = _runner(engine, engine.buckets)
     plain, alloc_b = _runner(engine, None)
     lengths = [5, 19, 37]  # 3 rows, query 37: pads to a (4, 48)-like bucket

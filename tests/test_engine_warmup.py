@@ -12,7 +12,7 @@ from engine.request import Request, SamplingParams
 
 def test_warmup_then_no_runtime_compilation_inside_range(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="engine.model_runner"):
-        engine = LLMEngine(small_config(skip_warmup=False))
+        engine = LLMEngine(small_config(skip_warmup=False, shape_policy="buckets"))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[Warmup]")]
     n_prompt, n_decode = len(engine.buckets.prompt), len(engine.buckets.decode)
     assert len(lines) == n_prompt + n_decode
@@ -45,6 +45,7 @@ def test_cpu_compile_path_is_exact_and_writes_the_cache_in_place(hf_reference) -
     engine = LLMEngine(
         small_config(
             compile=True,
+            shape_policy="buckets",
             cache=CacheConfig(block_size=16, num_blocks=1024),
             scheduler=SchedulerConfig(
                 max_model_len=128, max_num_seqs=2, max_num_prefill_seqs=1, max_num_batched_tokens=64
@@ -85,3 +86,17 @@ def test_decode_buckets_stop_at_what_a_full_batch_can_reference() -> None:
     assert reachable <= largest < 2 * reachable
     assert engine.buckets.find_decode(s.max_num_seqs, reachable) is not None
     assert engine.allocator.num_blocks == 20000  # the cache itself keeps every block
+
+
+def test_flat_warmup_is_one_step_of_the_token_budget(caplog) -> None:
+    # Flat tokens: nothing is padded, so there is no shape to warm one by one; one step of the budget touches
+    # the activation memory, and serving any mix of lengths compiles nothing.
+    with caplog.at_level(logging.INFO, logger="engine.flat_runner"):
+        engine = LLMEngine(small_config(skip_warmup=False, shape_policy="flat"))
+    budget = engine.config.scheduler.max_num_batched_tokens
+    assert any(f"one step of {budget} tokens" in r.getMessage() for r in caplog.records)
+    assert engine.runner.warmed_up and engine.warmup_report["buckets"] == 0
+    prompts = random_prompts([5, 300, 77, 1, 200], seed=4)
+    engine.generate([Request(f"f{i}", p, SamplingParams(max_tokens=9)) for i, p in enumerate(prompts)])
+    assert engine.runner.runtime_compilations == 0
+    engine.check_integrity()

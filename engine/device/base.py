@@ -56,6 +56,13 @@ class Device(abc.ABC):
         """
         return None
 
+    def paged_attention(self) -> Callable[..., None]:
+        """This device's paged-attention operator for flat tokens (see :mod:`engine.kernels`): the pure-torch
+        one unless the device has its own. Chosen once, when the runner is built."""
+        from engine.kernels import paged_attention_ref
+
+        return paged_attention_ref
+
     def describe(self) -> str:
         free, total = self.mem_get_info()
         return f"{self.name} ({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB)"

@@ -31,3 +31,9 @@ class CpuDevice(Device):
         except OSError:
             free = total
         return free, total
+
+    def paged_attention(self):
+        # Our C++ kernel (built once per source and torch version, cached); the pure-torch one if it cannot build.
+        from engine.kernels import cpu_paged_attention
+
+        return cpu_paged_attention()

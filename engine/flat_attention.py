@@ -1,0 +1,71 @@
+"""Paged attention on flat tokens, plugged into Hugging Face models through ``transformers.AttentionInterface``.
+
+The runner feeds the model one row of ``T`` tokens (every sequence of the step back to back, no padding). Our
+function gets ``query [1, H, T, D]`` and ``key``/``value [1, KVH, T, D]`` after rotary embedding and calls one
+opaque operator, ``bucketserve::flat_attention``, which writes the new K/V into the paged cache and attends
+over each sequence's cached context in place, reading the block tables from the step's forward context. So a
+compiled graph sees only ``[T, ...]`` tensors, and one graph serves every mix of decodes and prefill chunks.
+transformers builds no attention mask for an implementation it does not know, so none is made for ``T``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+
+from engine.forward_context import current_context
+
+FLAT_ATTN_IMPLEMENTATION = "bucketserve_flat"
+
+
+def _write_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float):
+    # query [T, H, D]; key/value [T, KVH, D]
+    ctx = current_context()
+    kvh, d = key.shape[1], key.shape[2]
+    k_cache = ctx.kv_data[layer, 0]  # [NB + 1, BS, KVH, D]
+    v_cache = ctx.kv_data[layer, 1]
+    k_cache.view(-1, kvh, d).index_copy_(0, ctx.slot_mapping, key)
+    v_cache.view(-1, kvh, d).index_copy_(0, ctx.slot_mapping, value)
+    if ctx.on_layer_written is not None:
+        ctx.on_layer_written(layer)
+    out = torch.empty_like(query)  # [T, H, D]
+    ctx.attend(out, query, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.query_start_loc, scale)
+    return out
+
+
+# Opaque to torch.compile: it mutates the cache (a tensor the graph never sees) and reads the context, so the
+# traced graph keeps it as one call and never specialises on the batch's sequence lengths.
+@torch.library.custom_op("bucketserve::flat_attention", mutates_args=())
+def flat_attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float
+) -> torch.Tensor:
+    return _write_and_attend(query, key, value, layer, scale)
+
+
+@flat_attention_op.register_fake
+def _flat_attention_fake(query, key, value, layer, scale):
+    return torch.empty_like(query)
+
+
+def flat_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    # query [1, H, T, D]; key/value [1, KVH, T, D]
+    q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
+    k = key[0].transpose(0, 1).contiguous()  # [T, KVH, D]
+    v = value[0].transpose(0, 1).contiguous()
+    scale = float(scaling if scaling is not None else q.shape[-1] ** -0.5)
+    # Eager calls skip the operator's dispatch (tens of microseconds a layer on CPU).
+    fn = flat_attention_op if torch.compiler.is_compiling() else _write_and_attend
+    out = fn(q, k, v, module.layer_idx, scale)  # [T, H, D]
+    return out.unsqueeze(0), None  # [1, T, H, D], as transformers' attention functions return
+
+
+AttentionInterface.register(FLAT_ATTN_IMPLEMENTATION, flat_attention)

@@ -1,0 +1,174 @@
+"""Runs the model on flat tokens: one step is a list of ``(request, new tokens)`` (decodes, whole prompts and
+prefill chunks, in any mix) laid back to back as one row of ``T`` tokens, with no padding anywhere.
+
+Each request computes ``all_token_ids[num_computed_tokens : num_computed_tokens + n]`` on top of its cached
+context. The runner builds the flat inputs (token ids, positions, cache slots) and the per-sequence metadata
+(block table, lengths, query offsets) once per step, sets the forward context that the attention operator reads
+(:mod:`engine.flat_attention`), runs transformers' model class unchanged, and computes logits only for the
+sequences whose last known token was in the step (a prefill chunk that leaves part of the prompt for later
+samples nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.device import Device
+from engine.forward_context import AttendFn, ForwardContext, forward_context
+from engine.kv_cache import KVCache
+from engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+StepItem = tuple[Request, int]  # a request and how many of its tokens this step computes
+
+
+@dataclass
+class FlatBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    ctx: ForwardContext
+    # Rows of the [T] hidden states whose logits are sampled: the last token of each sequence that completes.
+    logits_rows: torch.Tensor  # [S]
+    sampled: list[Request]  # the S requests those rows belong to, in order
+
+
+class FlatRunner:
+    """The flat-token runner; the ``flat`` shape policy. Nothing is padded, so nothing is warmed per shape."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        device: Device,
+        attend: AttendFn,
+        max_tokens: int,
+        compile_cpu: bool = False,
+    ) -> None:
+        self.model = model
+        self.kv = kv_cache
+        self.device = device
+        self.attend = attend
+        self.block_size = kv_cache.spec.block_size
+        self.max_tokens = max_tokens  # the step's token budget: the largest T a forward pass sees
+        self.warmed_up = False
+        self._forward_hidden = self._eager_forward
+        if compile_cpu and device.name == "cpu":
+            # One graph, dynamic in the token count: the attention operator hides every per-sequence shape.
+            self._forward_hidden = torch.compile(self._eager_forward, dynamic=True)
+
+    @property
+    def runtime_compilations(self) -> int:
+        """Eager flat steps never compile: there is no shape to miss."""
+        return 0
+
+    # ------------------------------------------------------------------ inputs
+    def prepare(self, items: Sequence[StepItem]) -> FlatBatch:
+        bs = self.block_size
+        null = self.kv.null_block
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        rows: list[int] = []
+        sampled: list[Request] = []
+        width = max(-(-(r.num_computed_tokens + n) // bs) for r, n in items)
+        table = []
+        for r, n in items:
+            c = r.num_computed_tokens
+            if n < 1 or c + n > r.num_tokens:
+                raise ValueError(f"{r.request_id}: cannot compute {n} tokens from {c} of {r.num_tokens}")
+            blocks = r.block_ids
+            ids += r.all_token_ids[c : c + n]
+            positions += range(c, c + n)
+            slots += [blocks[p // bs] * bs + p % bs for p in range(c, c + n)]
+            starts.append(starts[-1] + n)
+            seq_lens.append(c + n)
+            table.append(blocks[:width] + [null] * (width - min(width, len(blocks))))
+            if c + n == r.num_tokens:
+                rows.append(starts[-1] - 1)
+                sampled.append(r)
+        dev = self.kv.device
+        ctx = ForwardContext(
+            kv_data=self.kv.data,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_table=torch.tensor(table, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            attend=self.attend,
+        )
+        return FlatBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            ctx=ctx,
+            logits_rows=torch.tensor(rows, dtype=torch.long, device=dev),
+            sampled=sampled,
+        )
+
+    # ------------------------------------------------------------------ execution
+    def _eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # input_ids/positions [T] -> hidden [T, hidden]
+        out = self.model.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        return out.last_hidden_state[0]
+
+    @torch.inference_mode()
+    def execute(self, batch: FlatBatch) -> torch.Tensor:
+        """Run the step; returns fp32 logits [S, vocab] for the sequences in ``batch.sampled``."""
+        with forward_context(batch.ctx):
+            hidden = self._forward_hidden(batch.input_ids, batch.positions)  # [T, hidden]
+        self.device.mark_step()
+        return self.model.lm_head(hidden.index_select(0, batch.logits_rows)).float()  # [S, vocab]
+
+    def run(
+        self, items: Sequence[StepItem], on_layer_written: Callable[[int], None] | None = None
+    ) -> tuple[torch.Tensor, list[Request]]:
+        batch = self.prepare(items)
+        batch.ctx.on_layer_written = on_layer_written
+        return self.execute(batch), batch.sampled
+
+    def prefill(
+        self, reqs: Sequence[Request], on_layer_written: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """Every request's remaining prompt in one step; logits of each request's last token."""
+        logits, _ = self.run([(r, r.num_tokens - r.num_computed_tokens) for r in reqs], on_layer_written)
+        return logits
+
+    def decode(self, reqs: Sequence[Request]) -> torch.Tensor:
+        logits, _ = self.run([(r, 1) for r in reqs])
+        return logits
+
+    # ------------------------------------------------------------------ warm-up
+    def warmup(self, graph_memory_budget: int | None = None) -> dict[str, float]:
+        """One forward of the largest step (the token budget as one sequence, every slot and block the null
+        block): activation memory is first touched and kernels set up before the first request, not in it."""
+        t0 = time.perf_counter()
+        t = self.max_tokens
+        null = self.kv.null_block
+        dev = self.kv.device
+        ctx = ForwardContext(
+            kv_data=self.kv.data,
+            slot_mapping=torch.full((t,), null * self.block_size, dtype=torch.long, device=dev),
+            block_table=torch.full((1, -(-t // self.block_size)), null, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([t], dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, t], dtype=torch.int32, device=dev),
+            attend=self.attend,
+        )
+        batch = FlatBatch(
+            input_ids=torch.zeros(t, dtype=torch.long, device=dev),
+            positions=torch.arange(t, dtype=torch.long, device=dev),
+            ctx=ctx,
+            logits_rows=torch.tensor([t - 1], dtype=torch.long, device=dev),
+            sampled=[],
+        )
+        self.execute(batch)
+        self.device.synchronize()
+        self.warmed_up = True
+        took = time.perf_counter() - t0
+        logger.info("warm-up done (flat tokens): one step of %d tokens, %.1f s", t, took)
+        return {"seconds": took, "buckets": 0, "graphs": 0}

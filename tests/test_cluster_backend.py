@@ -26,7 +26,10 @@ MODES = ("disaggregated", "colocated")
 
 @pytest.fixture(scope="module")
 def backends(ray_session):
+    # The device's default shape policy (flat tokens on CPU) in each mode, and the padded bucket policy beside it.
     made = {mode: RayClusterBackend(cluster_config(mode, f"t-{mode}")) for mode in MODES}
+    for mode in MODES:
+        made[mode, "buckets"] = RayClusterBackend(cluster_config(mode, f"t-{mode}-b", shape_policy="buckets"))
     yield made
     for b in made.values():
         asyncio.run(b.shutdown())
@@ -39,9 +42,10 @@ def assert_no_leaks(stats: dict[str, dict]) -> None:
         assert s["integrity_error"] is None, f"{name}: {s['integrity_error']}"
 
 
+@pytest.mark.parametrize("policy", ["flat", "buckets"])
 @pytest.mark.parametrize("mode", MODES)
-def test_greedy_matches_hf_for_16_concurrent_mixed_requests(backends, mode, hf_reference):
-    backend = backends[mode]
+def test_greedy_matches_hf_for_16_concurrent_mixed_requests(backends, mode, policy, hf_reference):
+    backend = backends[mode] if policy == "flat" else backends[mode, policy]
     rng = random.Random(7)
     # Mixed lengths; together they need far more than the 48 KV blocks there are, so most wait their turn.
     reqs = [make_request(f"{mode}-g{i}", rng.randint(3, 200), rng.randint(1, 24), seed=1) for i in range(16)]
@@ -59,6 +63,7 @@ def test_greedy_matches_hf_for_16_concurrent_mixed_requests(backends, mode, hf_r
         ), req.request_id
     stats = asyncio.run(wait_idle(backend))
     assert_no_leaks(stats)
+    assert {s["shape_policy"] for s in stats.values()} == {policy}
     if mode == "disaggregated":  # the KV went layer by layer while each prefill ran (the default)
         assert sum(s.get("streamed_transfers", 0) for s in stats.values()) > 0, stats
     # Every accepted request reached the monitor as an arrival (the controller sizes batches from these).
@@ -195,7 +200,8 @@ def test_too_long_prompt_is_rejected_naming_the_limit(backends):
 
 
 def test_health_reports_every_worker_up_and_warmed(backends):
-    for mode, backend in backends.items():
+    for key, backend in backends.items():
+        mode = key if isinstance(key, str) else key[0]
         health = asyncio.run(backend.health())
         assert health["ready"] is True, health
         roles = sorted(w["role"] for w in health["workers"])

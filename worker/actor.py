@@ -106,6 +106,7 @@ class EngineWorker:
             "running": len(self.engine.running),
             "integrity_error": self._integrity_error,
             "runtime_compilations": self.engine.runner.runtime_compilations,
+            "shape_policy": self.engine.config.shape_policy,
             **self.engine.stats,
         }
 

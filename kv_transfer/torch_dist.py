@@ -294,8 +294,12 @@ class TorchDistKVTransport(KVTransport):
     def say_goodbye(self, peer: str) -> None:
         """Tell a receiving peer that this sender is done (its receive loop for us ends)."""
         dst = self._rank(peer)
-        with self._pair_locks[dst]:
-            self._send_hdr(dst, [_BYE], None)
+        try:
+            with self._pair_locks[dst]:
+                self._send_hdr(dst, [_BYE], None)
+        except KVTransferError as e:
+            # The peer closed the pair first (it stopped, or gloo's deadline passed): nobody is left to tell.
+            log.info("goodbye to rank %d not sent: %s", dst, e)
 
     def _shutdown(self) -> None:
         for th in self._threads:

@@ -25,6 +25,25 @@ from engine.request import Request
 
 logger = logging.getLogger(__name__)
 
+
+def compiled_graphs() -> int:
+    """Graphs Dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def compile_flat_forward(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    """``torch.compile`` for CPU flat steps: weights frozen into the graph (prepacked oneDNN linears), and the
+    inductor cache under ``$BUCKETSERVE_CACHE`` so a later start reuses the generated code."""
+    import os
+
+    from engine.model_builder import cache_root
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+    return torch.compile(fn, dynamic=False, options={"freezing": True})
+
+
 StepItem = tuple[Request, int]  # a request and how many of its tokens this step computes
 
 
@@ -58,14 +77,30 @@ class FlatRunner:
         self.max_tokens = max_tokens  # the step's token budget: the largest T a forward pass sees
         self.warmed_up = False
         self._forward_hidden = self._eager_forward
+        # A compiled graph specialises a dimension of size 1, so compiled steps have at least 2 tokens (a lone
+        # decode gets one padding token, written to the null block and never sampled).
+        self.min_tokens = 1
+        self._compiled = None
+        self._graphs_at_warmup = 0
         if compile_cpu and device.name == "cpu":
-            # One graph, dynamic in the token count: the attention operator hides every per-sequence shape.
-            self._forward_hidden = torch.compile(self._eager_forward, dynamic=True)
+            self._compiled = compile_flat_forward(self._eager_forward)
+            self._forward_hidden = self._compiled_forward
+            self.min_tokens = 2
 
     @property
     def runtime_compilations(self) -> int:
-        """Eager flat steps never compile: there is no shape to miss."""
-        return 0
+        """Graphs compiled after warm-up: 0 eagerly (no shape to miss), and 0 compiled unless something the
+        one dynamic graph was specialised on changed."""
+        if self._compiled is None or not self.warmed_up:
+            return 0
+        return compiled_graphs() - self._graphs_at_warmup
+
+    def _compiled_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # The token count is the graph's one dynamic dimension, from 2 to the step budget.
+        top = max(self.max_tokens, self.min_tokens + 1)
+        torch._dynamo.mark_dynamic(input_ids, 0, min=self.min_tokens, max=top)
+        torch._dynamo.mark_dynamic(positions, 0, min=self.min_tokens, max=top)
+        return self._compiled(input_ids, positions)
 
     # ------------------------------------------------------------------ inputs
     def prepare(self, items: Sequence[StepItem]) -> FlatBatch:
@@ -94,6 +129,12 @@ class FlatRunner:
             if c + n == r.num_tokens:
                 rows.append(starts[-1] - 1)
                 sampled.append(r)
+        for _ in range(
+            self.min_tokens - len(ids)
+        ):  # padding tokens: in no sequence, written to the null block
+            ids.append(0)
+            positions.append(0)
+            slots.append(null * bs)
         dev = self.kv.device
         ctx = ForwardContext(
             kv_data=self.kv.data,
@@ -168,6 +209,8 @@ class FlatRunner:
         )
         self.execute(batch)
         self.device.synchronize()
+        if self._compiled is not None:
+            self._graphs_at_warmup = compiled_graphs()
         self.warmed_up = True
         took = time.perf_counter() - t0
         logger.info("warm-up done (flat tokens): one step of %d tokens, %.1f s", t, took)

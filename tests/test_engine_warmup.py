@@ -100,3 +100,40 @@ def test_flat_warmup_is_one_step_of_the_token_budget(caplog) -> None:
     engine.generate([Request(f"f{i}", p, SamplingParams(max_tokens=9)) for i, p in enumerate(prompts)])
     assert engine.runner.runtime_compilations == 0
     engine.check_integrity()
+
+
+def test_flat_compile_is_one_dynamic_graph_exact_and_in_place(hf_reference) -> None:
+    # --compile under the flat policy: one graph, dynamic in the token count, compiled at warm-up; every later
+    # mix of decodes and prefill chunks (including a lone decode, T = 1) runs it without compiling again.
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    from engine.config import CacheConfig, SchedulerConfig
+
+    with inductor_config.patch(fx_graph_cache=False):
+        engine, codes = run_and_get_code(
+            LLMEngine,
+            small_config(
+                compile=True,
+                skip_warmup=False,
+                shape_policy="flat",
+                cache=CacheConfig(block_size=16, num_blocks=1024),
+                scheduler=SchedulerConfig(
+                    max_model_len=256, max_num_seqs=4, max_num_prefill_seqs=4, max_num_batched_tokens=64
+                ),
+            ),
+        )
+    prompts = random_prompts([20, 3, 90, 1], seed=6)
+    reqs = [Request(f"c{i}", p, SamplingParams(max_tokens=5)) for i, p in enumerate(prompts)]
+    engine.generate(reqs)
+    engine.generate([Request("alone", prompts[0], SamplingParams(max_tokens=3))])  # decodes of T = 1
+    assert engine.runner.runtime_compilations == 0
+    for r in reqs:
+        assert r.output_token_ids == hf_reference(engine.loaded.path).greedy(r.prompt_token_ids, 5)
+    # The K/V write stays in place: no buffer the shape of the cache, no loop over a whole layer of it.
+    kv = engine.kv_cache.data
+    code = "\n".join(codes)
+    assert code, "nothing was compiled at warm-up"
+    cache_shape = "(" + ", ".join(map(str, kv.shape)) + ")"
+    assert not [line for line in code.splitlines() if "empty_strided" in line and cache_shape in line]
+    engine.check_integrity()

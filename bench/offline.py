@@ -30,6 +30,19 @@ def register(sub) -> None:
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--skip-hf", action="store_true", help="measure our engine only")
     p.add_argument(
+        "--check-exact",
+        action="store_true",
+        help="also run HF generate on each prompt alone (untimed) and count our outputs that equal it",
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads of our engine (default: every core)"
+    )
+    p.add_argument(
+        "--vllm-threads-bind",
+        default=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+        help="vLLM's VLLM_CPU_OMP_THREADS_BIND: 'auto' (its default: one core left to its scheduler) or cores, e.g. 0-1",
+    )
+    p.add_argument(
         "--vllm-python",
         default=os.environ.get("BUCKETSERVE_VLLM_PYTHON", "/tmp/vllm-cpu-venv/bin/python"),
         help="Python of a virtual environment with vLLM's CPU build; vLLM is measured when it exists",
@@ -94,7 +107,38 @@ def run_hf_static(
     return time.perf_counter() - t0, outs
 
 
-def run_vllm(python: str, path, prompts: list[list[int]], output_len: int, max_model_len: int):
+def hf_exact(
+    path, prompts: list[list[int]], output_len: int, device="cpu", dtype="float32"
+) -> list[list[int]]:
+    """Hugging Face generate on each prompt alone, greedy, ``output_len`` tokens: the outside reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            gen = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.append(gen[0, len(p) :].tolist())
+    return outs
+
+
+def run_vllm(
+    python: str,
+    path,
+    prompts: list[list[int]],
+    output_len: int,
+    max_model_len: int,
+    threads_bind: str = "auto",
+):
     """vLLM's offline LLM.generate in its own environment; returns (seconds, outputs) or raises."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(
@@ -106,7 +150,11 @@ def run_vllm(python: str, path, prompts: list[list[int]], output_len: int, max_m
             },
             f,
         )
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+        "VLLM_CPU_OMP_THREADS_BIND": threads_bind,
+    }
     runner = Path(__file__).with_name("vllm_offline_runner.py")
     out_path = f.name + ".out"
     try:
@@ -125,11 +173,14 @@ def run_vllm(python: str, path, prompts: list[list[int]], output_len: int, max_m
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from bench.report import write_report
     from engine.config import config_from_args
     from engine.llm_engine import LLMEngine
 
     lo, hi = (int(x) for x in args.input_len.split(":"))
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
     t0 = time.perf_counter()
     engine = LLMEngine(config_from_args(args))
     startup = time.perf_counter() - t0
@@ -141,6 +192,9 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model,
         "device": engine.device.name,
         "dtype": engine.config.dtype,
+        "shape_policy": engine.config.shape_policy,
+        "compile": engine.config.compile,
+        "threads": torch.get_num_threads(),
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,
@@ -154,7 +208,31 @@ def run(args: argparse.Namespace) -> int:
         },
     }
     table = [("system", "seconds", "output tok/s")]
-    table.append(("ours (continuous batching, bucketed)", f"{ours_s:.2f}", f"{total_out / ours_s:.1f}"))
+    # The workload's arithmetic against this machine's matmul rate, measured now on our threads.
+    from bench.roofline import ModelShape, measure_machine
+
+    model = engine.loaded.model
+    dtype = next(model.parameters()).dtype
+    shape = ModelShape.of(model, torch.tensor([], dtype=dtype).element_size())
+    flops = sum(
+        shape.prefill_flops(1, len(p))
+        + sum(shape.decode_flops(1, len(p) + i) for i in range(args.output_len - 1))
+        for p in prompts
+    )
+    rate = measure_machine(dtype, 3)["gemm_flops"]
+    result["workload_gflop"] = round(flops / 1e9, 1)
+    result["ours"]["achieved_gflops"] = round(flops / ours_s / 1e9, 1)
+    result["gemm_gflops_measured"] = round(rate / 1e9, 1)
+    result["ours"]["fraction_of_gemm_rate"] = round(flops / ours_s / rate, 3)
+    label = f"ours ({engine.config.shape_policy}{', compiled' if engine.config.compile else ''})"
+    table.append((label, f"{ours_s:.2f}", f"{total_out / ours_s:.1f}"))
+    if args.check_exact:
+        ref = hf_exact(
+            engine.loaded.path, prompts, args.output_len, engine.device.torch_device, engine.config.dtype
+        )
+        result["hf_exact_identical_sequences"] = (
+            f"{sum(a == b for a, b in zip(ours_out, ref, strict=True))}/{len(prompts)}"
+        )
     if not args.skip_hf:
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         hf_s, hf_out = run_hf_static(
@@ -176,9 +254,16 @@ def run(args: argparse.Namespace) -> int:
         )
     if Path(args.vllm_python).exists():
         try:
-            v_s, v_out = run_vllm(args.vllm_python, engine.loaded.path, prompts, args.output_len, 2048)
+            v_s, v_out = run_vllm(
+                args.vllm_python, engine.loaded.path, prompts, args.output_len, 2048, args.vllm_threads_bind
+            )
             same = sum(a == b for a, b in zip(ours_out, v_out, strict=True))
-            result["vllm"] = {"seconds": round(v_s, 3), "tok_per_s": round(total_out / v_s, 1)}
+            result["vllm"] = {
+                "seconds": round(v_s, 3),
+                "tok_per_s": round(total_out / v_s, 1),
+                "threads_bind": args.vllm_threads_bind,
+                "fraction_of_gemm_rate": round(flops / v_s / rate, 3),
+            }
             result["ratio_vs_vllm"] = round(v_s / ours_s, 2)
             result["vllm_identical_sequences"] = f"{same}/{len(prompts)}"
             table.append(("vLLM offline LLM.generate (CPU build)", f"{v_s:.2f}", f"{total_out / v_s:.1f}"))

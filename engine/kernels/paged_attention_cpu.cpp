@@ -24,6 +24,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
 #include <atomic>
 #include <cmath>
 #include <limits>
@@ -58,7 +61,8 @@ inline void to_float(const T* src, float* dst, int64_t n, float mul = 1.f) {
 }
 
 // C[R, N] (+)= A[R, K] . B[K, N], fp32; B is given by row pointers (rows of K/V blocks lie anywhere in the
-// cache). R <= 4 rows x 2 column vectors of C stay in registers; A's elements are broadcast.
+// cache). R <= 8 rows x 2 column vectors of C stay in registers (16 of AVX-512's 32); A's elements are
+// broadcast, so each pair of B loads feeds 2R FMAs.
 template <int R>
 inline void gemm_rows(const float* A, int64_t lda, const float* const* B, float* C, int64_t ldc, int64_t K,
                       int64_t N, bool accumulate) {
@@ -96,10 +100,14 @@ inline void gemm_rows(const float* A, int64_t lda, const float* const* B, float*
 void small_gemm(const float* A, int64_t lda, const float* const* B, float* C, int64_t ldc, int64_t M, int64_t K,
                 int64_t N, bool accumulate) {
   int64_t r = 0;
-  for (; r + 4 <= M; r += 4) gemm_rows<4>(A + r * lda, lda, B, C + r * ldc, ldc, K, N, accumulate);
+  for (; r + 8 <= M; r += 8) gemm_rows<8>(A + r * lda, lda, B, C + r * ldc, ldc, K, N, accumulate);
   const float* a = A + r * lda;
   float* c = C + r * ldc;
   switch (M - r) {
+    case 7: gemm_rows<7>(a, lda, B, c, ldc, K, N, accumulate); break;
+    case 6: gemm_rows<6>(a, lda, B, c, ldc, K, N, accumulate); break;
+    case 5: gemm_rows<5>(a, lda, B, c, ldc, K, N, accumulate); break;
+    case 4: gemm_rows<4>(a, lda, B, c, ldc, K, N, accumulate); break;
     case 3: gemm_rows<3>(a, lda, B, c, ldc, K, N, accumulate); break;
     case 2: gemm_rows<2>(a, lda, B, c, ldc, K, N, accumulate); break;
     case 1: gemm_rows<1>(a, lda, B, c, ldc, K, N, accumulate); break;
@@ -113,6 +121,53 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (; d + VS <= n; d += VS) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
   if (d < n) acc = at::vec::fmadd(Vec::loadu(a + d, n - d), Vec::loadu(b + d, n - d), acc);
   return at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, acc);
+}
+
+// out[j] = a . b[j] for 4 rows b[j] of n floats.
+inline void dot4(const float* a, const float* const* b, int64_t n, float* out) {
+  Vec acc[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
+  int64_t d = 0;
+  for (; d + VS <= n; d += VS) {
+    const Vec va = Vec::loadu(a + d);
+    for (int j = 0; j < 4; ++j) acc[j] = at::vec::fmadd(va, Vec::loadu(b[j] + d), acc[j]);
+  }
+  if (d < n) {
+    const Vec va = Vec::loadu(a + d, n - d);
+    for (int j = 0; j < 4; ++j) acc[j] = at::vec::fmadd(va, Vec::loadu(b[j] + d, n - d), acc[j]);
+  }
+#if defined(CPU_CAPABILITY_AVX512)
+  // Four horizontal sums at once: interleave pairs, then add the four 128-bit lanes.
+  const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(acc[0], acc[1]), _mm512_unpackhi_ps(acc[0], acc[1]));
+  const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(acc[2], acc[3]), _mm512_unpackhi_ps(acc[2], acc[3]));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x01, x23, 0x44), _mm512_shuffle_ps(x01, x23, 0xEE));
+  const __m256 t = _mm256_add_ps(_mm512_castps512_ps256(y), _mm512_extractf32x8_ps(y, 1));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+#else
+  for (int j = 0; j < 4; ++j) out[j] = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, acc[j]);
+#endif
+}
+
+// acc[0..n) += sum_j p[j] * v[j][0..n) over 4 rows v[j].
+inline void axpy4(const float* p, const float* const* v, float* acc, int64_t n) {
+  const Vec p0(p[0]), p1(p[1]), p2(p[2]), p3(p[3]);
+  int64_t d = 0;
+  for (; d + VS <= n; d += VS) {
+    Vec a = at::vec::fmadd(p0, Vec::loadu(v[0] + d), Vec::loadu(acc + d));
+    a = at::vec::fmadd(p1, Vec::loadu(v[1] + d), a);
+    a = at::vec::fmadd(p2, Vec::loadu(v[2] + d), a);
+    at::vec::fmadd(p3, Vec::loadu(v[3] + d), a).store(acc + d);
+  }
+  for (; d < n; ++d) acc[d] += p[0] * v[0][d] + p[1] * v[1][d] + p[2] * v[2][d] + p[3] * v[3][d];
+}
+
+// dst[d * ld + s] = rows[s][d]: 16 x 16 tiles, so reads and writes each stay within 16 cache lines.
+inline void transpose(const float* const* rows, int64_t n, int64_t D, float* dst, int64_t ld) {
+  for (int64_t d0 = 0; d0 < D; d0 += 16)
+    for (int64_t s0 = 0; s0 < n; s0 += 16) {
+      const int64_t d1 = std::min(D, d0 + 16), s1 = std::min(n, s0 + 16);
+      for (int64_t s = s0; s < s1; ++s)
+        for (int64_t d = d0; d < d1; ++d) dst[d * ld + s] = rows[s][d];
+    }
 }
 
 struct Geometry {
@@ -269,31 +324,44 @@ struct Item {
     const int64_t ch = chunk_slots(g.BS), np = round_up(ch, VS);
     const int64_t kv_end = ctx_start + w.q_end;
     float* S = sc.s.get();  // [heads][rows][np]
+    const float* kr[4];
+    const float* vr[4];
+    float dots[4];
     for (int64_t p0 = 0; p0 < kv_end; p0 += ch) {
       const int64_t n = std::min(ch, kv_end - p0);
       locate(p0, n);
-      for (int64_t s = 0; s < n; ++s)
+      // Slots go 4 at a time: one horizontal sum per 4 dots, one accumulator load/store per 4 FMAs.
+      for (int64_t s = 0; s < n; s += 4) {
+        const int64_t k = std::min<int64_t>(4, n - s);
         for (int64_t hh = 0; hh < nh; ++hh) {
-          const float* kr = row(kc + sc.koff[s] + (w.head_begin + hh) * g.k_h, sc.kf.get(), D);
-          for (int64_t r = 0; r < M; ++r)
-            S[(hh * M + r) * np + s] = dot(sc.q.get() + (hh * M + r) * D, kr, D);
+          for (int64_t j = 0; j < 4; ++j)
+            kr[j] = row(kc + sc.koff[s + std::min(j, k - 1)] + (w.head_begin + hh) * g.k_h, sc.kf.get() + j * D, D);
+          for (int64_t r = 0; r < M; ++r) {
+            dot4(sc.q.get() + (hh * M + r) * D, kr, D, dots);
+            std::copy(dots, dots + k, S + (hh * M + r) * np + s);
+          }
         }
+      }
       for (int64_t hh = 0; hh < nh; ++hh)
         softmax_chunk(S + hh * M * np, np, sc.acc.get() + hh * M * D, sc.m.get() + hh * M, sc.l.get() + hh * M,
                       M, D, n, ctx_start + w.q_begin, g.G, p0);
-      for (int64_t s = 0; s < n; ++s)
+      for (int64_t s = 0; s < n; s += 4) {
+        const int64_t k = std::min<int64_t>(4, n - s);
         for (int64_t hh = 0; hh < nh; ++hh) {
-          const float* vr = row(vc + sc.voff[s] + (w.head_begin + hh) * g.v_h, sc.vf.get(), D);
+          for (int64_t j = 0; j < k; ++j)
+            vr[j] = row(vc + sc.voff[s + j] + (w.head_begin + hh) * g.v_h, sc.vf.get() + j * D, D);
           for (int64_t r = 0; r < M; ++r) {
-            const float p = S[(hh * M + r) * np + s];
-            if (p == 0.f) continue;
+            const float* p = S + (hh * M + r) * np + s;
             float* arow = sc.acc.get() + (hh * M + r) * D;
-            int64_t d = 0;
-            for (; d + VS <= D; d += VS)
-              at::vec::fmadd(Vec(p), Vec::loadu(vr + d), Vec::loadu(arow + d)).store(arow + d);
-            for (; d < D; ++d) arow[d] += p * vr[d];
+            if (k == 4) {
+              axpy4(p, vr, arow, D);
+            } else {
+              for (int64_t j = 0; j < k; ++j)
+                for (int64_t d = 0; d < D; ++d) arow[d] += p[j] * vr[j][d];
+            }
           }
         }
+      }
     }
   }
 
@@ -311,10 +379,10 @@ struct Item {
       for (int64_t hh = 0; hh < heads(); ++hh) {
         const int64_t h = w.head_begin + hh;
         for (int64_t s = 0; s < n; ++s) {
-          const float* kr = row(kc + sc.koff[s] + h * g.k_h, sc.kf.get() + s * D, D);
-          for (int64_t d = 0; d < D; ++d) kt[d * np + s] = kr[d];
+          sc.krow[s] = row(kc + sc.koff[s] + h * g.k_h, sc.kf.get() + s * D, D);
           sc.vrow[s] = row(vc + sc.voff[s] + h * g.v_h, sc.vf.get() + s * D, D);
         }
+        transpose(sc.krow.get(), n, D, kt, np);
         float* acc = sc.acc.get() + hh * M * D;
         small_gemm(sc.q.get() + hh * M * D, D, sc.ktrow.get(), S, np, M, D, n, false);  // S = Q K^T
         softmax_chunk(S, np, acc, sc.m.get() + hh * M, sc.l.get() + hh * M, M, D, n, ctx_start + w.q_begin,

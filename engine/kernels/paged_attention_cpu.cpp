@@ -60,12 +60,12 @@ inline void to_float(const T* src, float* dst, int64_t n, float mul = 1.f) {
   for (; d < n; ++d) dst[d] = static_cast<float>(src[d]) * mul;
 }
 
-// C[R, N] (+)= A[R, K] . B[K, N], fp32; B is given by row pointers (rows of K/V blocks lie anywhere in the
-// cache). R <= 8 rows x 2 column vectors of C stay in registers (16 of AVX-512's 32); A's elements are
-// broadcast, so each pair of B loads feeds 2R FMAs.
+// C[R, N] (+)= A[R, K] . B[K, N], fp32. A(r, k) = A[r][k * acs] and B's rows are given by pointers, since
+// rows of K/V blocks lie anywhere in the cache. R <= 8 rows x 2 column vectors of C stay in registers (16 of
+// AVX-512's 32); A's elements are broadcast, so each pair of B loads feeds 2R FMAs.
 template <int R>
-inline void gemm_rows(const float* A, int64_t lda, const float* const* B, float* C, int64_t ldc, int64_t K,
-                      int64_t N, bool accumulate) {
+inline void gemm_rows(const float* const* A, int64_t acs, const float* const* B, float* C, int64_t ldc,
+                      int64_t K, int64_t N, bool accumulate) {
   for (int64_t n0 = 0; n0 < N; n0 += 2 * VS) {
     const int64_t c0 = std::min(VS, N - n0);
     const int64_t c1 = std::max<int64_t>(0, std::min(VS, N - n0 - VS));
@@ -79,7 +79,7 @@ inline void gemm_rows(const float* A, int64_t lda, const float* const* B, float*
         const Vec b0 = Vec::loadu(B[k] + n0, c0);
         const Vec b1 = Vec::loadu(B[k] + n0 + VS, c1);
         for (int r = 0; r < R; ++r) {
-          const Vec a(A[r * lda + k]);
+          const Vec a(A[r][k * acs]);
           acc[r][0] = at::vec::fmadd(a, b0, acc[r][0]);
           acc[r][1] = at::vec::fmadd(a, b1, acc[r][1]);
         }
@@ -87,7 +87,7 @@ inline void gemm_rows(const float* A, int64_t lda, const float* const* B, float*
     } else {
       for (int64_t k = 0; k < K; ++k) {
         const Vec b0 = Vec::loadu(B[k] + n0, c0);
-        for (int r = 0; r < R; ++r) acc[r][0] = at::vec::fmadd(Vec(A[r * lda + k]), b0, acc[r][0]);
+        for (int r = 0; r < R; ++r) acc[r][0] = at::vec::fmadd(Vec(A[r][k * acs]), b0, acc[r][0]);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -97,20 +97,20 @@ inline void gemm_rows(const float* A, int64_t lda, const float* const* B, float*
   }
 }
 
-void small_gemm(const float* A, int64_t lda, const float* const* B, float* C, int64_t ldc, int64_t M, int64_t K,
-                int64_t N, bool accumulate) {
+void small_gemm(const float* const* A, int64_t acs, const float* const* B, float* C, int64_t ldc, int64_t M,
+                int64_t K, int64_t N, bool accumulate) {
   int64_t r = 0;
-  for (; r + 8 <= M; r += 8) gemm_rows<8>(A + r * lda, lda, B, C + r * ldc, ldc, K, N, accumulate);
-  const float* a = A + r * lda;
+  for (; r + 8 <= M; r += 8) gemm_rows<8>(A + r, acs, B, C + r * ldc, ldc, K, N, accumulate);
+  const float* const* a = A + r;
   float* c = C + r * ldc;
   switch (M - r) {
-    case 7: gemm_rows<7>(a, lda, B, c, ldc, K, N, accumulate); break;
-    case 6: gemm_rows<6>(a, lda, B, c, ldc, K, N, accumulate); break;
-    case 5: gemm_rows<5>(a, lda, B, c, ldc, K, N, accumulate); break;
-    case 4: gemm_rows<4>(a, lda, B, c, ldc, K, N, accumulate); break;
-    case 3: gemm_rows<3>(a, lda, B, c, ldc, K, N, accumulate); break;
-    case 2: gemm_rows<2>(a, lda, B, c, ldc, K, N, accumulate); break;
-    case 1: gemm_rows<1>(a, lda, B, c, ldc, K, N, accumulate); break;
+    case 7: gemm_rows<7>(a, acs, B, c, ldc, K, N, accumulate); break;
+    case 6: gemm_rows<6>(a, acs, B, c, ldc, K, N, accumulate); break;
+    case 5: gemm_rows<5>(a, acs, B, c, ldc, K, N, accumulate); break;
+    case 4: gemm_rows<4>(a, acs, B, c, ldc, K, N, accumulate); break;
+    case 3: gemm_rows<3>(a, acs, B, c, ldc, K, N, accumulate); break;
+    case 2: gemm_rows<2>(a, acs, B, c, ldc, K, N, accumulate); break;
+    case 1: gemm_rows<1>(a, acs, B, c, ldc, K, N, accumulate); break;
     default: break;
   }
 }
@@ -160,16 +160,6 @@ inline void axpy4(const float* p, const float* const* v, float* acc, int64_t n) 
   for (; d < n; ++d) acc[d] += p[0] * v[0][d] + p[1] * v[1][d] + p[2] * v[2][d] + p[3] * v[3][d];
 }
 
-// dst[d * ld + s] = rows[s][d]: 16 x 16 tiles, so reads and writes each stay within 16 cache lines.
-inline void transpose(const float* const* rows, int64_t n, int64_t D, float* dst, int64_t ld) {
-  for (int64_t d0 = 0; d0 < D; d0 += 16)
-    for (int64_t s0 = 0; s0 < n; s0 += 16) {
-      const int64_t d1 = std::min(D, d0 + 16), s1 = std::min(n, s0 + 16);
-      for (int64_t s = s0; s < s1; ++s)
-        for (int64_t d = d0; d < d1; ++d) dst[d * ld + s] = rows[s][d];
-    }
-}
-
 struct Geometry {
   int64_t H, KVH, G, D, BS, NB, W;
   // element strides
@@ -194,25 +184,31 @@ template <typename T>
 using Buf = std::unique_ptr<T[]>;
 
 struct Scratch {
-  Buf<float> q, s, acc, m, l, kt, kf, vf;
+  Buf<float> q, s, acc, m, l, mnew, alpha, qt, kf, vf;
   Buf<int64_t> koff, voff;
-  Buf<const float*> krow, vrow, ktrow;
+  Buf<const float*> krow, vrow, qtrow, prow;
+  int64_t ldq;  // row length of Q^T and S^T: the tile's rows, padded to whole vectors
   Scratch(int64_t rows, int64_t D, int64_t BS) {
     const int64_t ch = chunk_slots(BS), np = round_up(ch, VS);
+    ldq = round_up(rows, VS);
     q.reset(new float[rows * D]);
-    s.reset(new float[rows * np]);
+    s.reset(new float[std::max(rows * np, ch * ldq)]);
     acc.reset(new float[rows * D]);
     m.reset(new float[rows]);
     l.reset(new float[rows]);
-    kt.reset(new float[D * np]);
+    mnew.reset(new float[ldq]);
+    alpha.reset(new float[ldq]);
+    qt.reset(new float[D * ldq]);
     kf.reset(new float[ch * D]);
     vf.reset(new float[ch * D]);
     koff.reset(new int64_t[ch]);
     voff.reset(new int64_t[ch]);
     krow.reset(new const float*[ch]);
     vrow.reset(new const float*[ch]);
-    ktrow.reset(new const float*[D]);
-    for (int64_t d = 0; d < D; ++d) ktrow[d] = kt.get() + d * np;
+    qtrow.reset(new const float*[D]);
+    prow.reset(new const float*[rows]);
+    for (int64_t d = 0; d < D; ++d) qtrow[d] = qt.get() + d * ldq;
+    for (int64_t r = 0; r < rows; ++r) prow[r] = s.get() + r;
   }
 };
 
@@ -251,6 +247,46 @@ inline void softmax_chunk(float* S, int64_t np, float* acc, float* mx, float* su
 }
 
 // One work item: item-wide view of the call's tensors and the item's place in them.
+// The same update on S^T ([n][ld], slot-major), vectorised over the M query rows: slot s is seen by
+// rows r >= G * (p0 + s - first_last_pos), a suffix, so masking is one fill per slot.
+inline void softmax_chunk_t(float* St, int64_t ld, float* acc, float* mx, float* sum, float* mnew, float* alpha,
+                            int64_t M, int64_t D, int64_t n, int64_t first_last_pos, int64_t G, int64_t p0) {
+  const auto rmin = [&](int64_t s) { return std::clamp<int64_t>(G * (p0 + s - first_last_pos), 0, M); };
+  for (int64_t s = 0; s < n; ++s) std::fill(St + s * ld, St + s * ld + rmin(s), kNegInf);
+  for (int64_t r0 = 0; r0 < M; r0 += VS) {
+    const int64_t c = std::min(VS, M - r0);
+    Vec vmax = Vec::loadu(mx + r0, c);
+    for (int64_t s = 0; s < n; ++s) vmax = at::vec::maximum(vmax, Vec::loadu(St + s * ld + r0, c));
+    vmax.store(mnew + r0, c);
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    // exp(-inf) = 0 when the row had no slot before; alpha 1 (nothing to rescale) while it has none yet.
+    alpha[r] = mnew[r] == kNegInf ? 1.f : std::exp(mx[r] - mnew[r]);
+    mx[r] = mnew[r];
+  }
+  for (int64_t s = 0; s < n; ++s) {
+    float* row = St + s * ld;
+    for (int64_t r0 = 0; r0 < M; r0 += VS) {
+      const int64_t c = std::min(VS, M - r0);
+      (Vec::loadu(row + r0, c) - Vec::loadu(mnew + r0, c)).exp_u20().store(row + r0, c);
+    }
+    std::fill(row, row + rmin(s), 0.f);  // masked slots: exact zeros, whatever exp gave for -inf
+  }
+  for (int64_t r0 = 0; r0 < M; r0 += VS) {
+    const int64_t c = std::min(VS, M - r0);
+    Vec vsum(0.f);
+    for (int64_t s = 0; s < n; ++s) vsum = vsum + Vec::loadu(St + s * ld + r0, c);
+    (Vec::loadu(sum + r0, c) * Vec::loadu(alpha + r0, c) + vsum).store(sum + r0, c);
+  }
+  for (int64_t r = 0; r < M; ++r) {
+    if (alpha[r] == 1.f) continue;
+    float* arow = acc + r * D;
+    int64_t d = 0;
+    for (; d + VS <= D; d += VS) (Vec::loadu(arow + d) * Vec(alpha[r])).store(arow + d);
+    for (; d < D; ++d) arow[d] *= alpha[r];
+  }
+}
+
 template <typename QT, typename KT>
 struct Item {
   const Geometry& g;
@@ -365,29 +401,30 @@ struct Item {
     }
   }
 
-  // Many rows (prefill tiles): compute-bound. Per KV head, QK^T and PV are register-blocked mini GEMMs,
-  // the K chunk transposed once into scratch; K/V are re-read by later tiles from cache.
+  // Many rows (prefill tiles): compute-bound. Per KV head, S^T = K Q^T and acc += P V are register-blocked
+  // mini GEMMs reading K/V rows in place (Q^T is built once per tile); later tiles re-read K/V from cache.
   void run_tiled() {
-    const int64_t M = rows(), D = g.D;
-    const int64_t ch = chunk_slots(g.BS), np = round_up(ch, VS);
+    const int64_t M = rows(), D = g.D, ld = sc.ldq;
+    const int64_t ch = chunk_slots(g.BS);
     const int64_t kv_end = ctx_start + w.q_end;
-    float* S = sc.s.get();  // [rows][np]
-    float* kt = sc.kt.get();  // [D][np]
-    for (int64_t p0 = 0; p0 < kv_end; p0 += ch) {
-      const int64_t n = std::min(ch, kv_end - p0);
-      locate(p0, n);
-      for (int64_t hh = 0; hh < heads(); ++hh) {
-        const int64_t h = w.head_begin + hh;
+    float* St = sc.s.get();  // [n][ld]
+    for (int64_t hh = 0; hh < heads(); ++hh) {
+      const int64_t h = w.head_begin + hh;
+      const float* qh = sc.q.get() + hh * M * D;
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t d = 0; d < D; ++d) sc.qt[d * ld + r] = qh[r * D + d];
+      float* acc = sc.acc.get() + hh * M * D;
+      for (int64_t p0 = 0; p0 < kv_end; p0 += ch) {
+        const int64_t n = std::min(ch, kv_end - p0);
+        locate(p0, n);
         for (int64_t s = 0; s < n; ++s) {
           sc.krow[s] = row(kc + sc.koff[s] + h * g.k_h, sc.kf.get() + s * D, D);
           sc.vrow[s] = row(vc + sc.voff[s] + h * g.v_h, sc.vf.get() + s * D, D);
         }
-        transpose(sc.krow.get(), n, D, kt, np);
-        float* acc = sc.acc.get() + hh * M * D;
-        small_gemm(sc.q.get() + hh * M * D, D, sc.ktrow.get(), S, np, M, D, n, false);  // S = Q K^T
-        softmax_chunk(S, np, acc, sc.m.get() + hh * M, sc.l.get() + hh * M, M, D, n, ctx_start + w.q_begin,
-                      g.G, p0);
-        small_gemm(S, np, sc.vrow.get(), acc, D, M, n, D, true);  // acc[M, D] += P[M, n] V[n, D]
+        small_gemm(sc.krow.get(), 1, sc.qtrow.get(), St, ld, n, D, M, false);  // S^T[n, M] = K Q^T
+        softmax_chunk_t(St, ld, acc, sc.m.get() + hh * M, sc.l.get() + hh * M, sc.mnew.get(), sc.alpha.get(), M,
+                        D, n, ctx_start + w.q_begin, g.G, p0);
+        small_gemm(sc.prow.get(), ld, sc.vrow.get(), acc, D, M, n, D, true);  // acc[M, D] += P[M, n] V[n, D]
       }
     }
   }

@@ -1,6 +1,6 @@
 """Build (once) and load the C++ paged attention kernel; ``None`` when it cannot be had.
 
-The extension is compiled into ``$BUCKETSERVE_CACHE/extensions/<hash>``, the hash covering the source,
+The extension is compiled into ``$BUCKETSERVE_CACHE/extensions/<hash>``, the hash covering the sources,
 the torch version, the compiler flags and the CPU capability torch detected, so a cache folder shared
 between machines or torch upgrades never loads a stale or foreign binary. Loading is once per process:
 the operator registers itself as ``torch.ops.bucketserve_cpu.paged_attention``.
@@ -53,7 +53,8 @@ def _flags() -> list[str]:
 
 def build_dir(source: Path = SOURCE) -> Path:
     h = hashlib.sha256()
-    h.update(source.read_bytes())
+    for path in [source, *sorted(source.parent.glob("*.h"))]:  # the source and the headers beside it
+        h.update(path.read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join(_flags()).encode())
     h.update(sys.version.split()[0].encode())

@@ -132,7 +132,7 @@ KINDS = {
     "decode32": _decode(32, 2),
     "prefill": [(1, 1), (17, 17), (128, 128), (300, 300)],
     "chunked": [(50, 250), (128, 129), (200, 600), (16, 32)],
-    "mixed": [(1, 600), (1, 5), (300, 300), (64, 400), (1, 129), (33, 33)],
+    "mixed": [(1, 600), (1, 5), (300, 300), (0, 40), (64, 400), (1, 129), (33, 33)],
 }
 
 
@@ -182,6 +182,19 @@ def test_strided_views_of_the_engine_cache(kernel) -> None:
     out = torch.empty(c.q.shape[1], c.q.shape[0], D).transpose(0, 1)  # [T, H, D] non-contiguous
     kernel(out, q_strided, data[1, 0], data[1, 1], c.block_table, c.seq_lens, c.query_start_loc, c.scale)
     torch.testing.assert_close(out.double(), dense_reference(c), atol=2e-5, rtol=1e-5)
+
+
+def test_kernel_same_result_on_one_thread(kernel) -> None:
+    """Work items are split between threads, never the arithmetic of one: any thread count, same bits."""
+    c = make_case(KINDS["mixed"], 2, 16, torch.float32, seed=8)
+    many = _run(kernel, c)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = _run(kernel, c)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(one, many, atol=0, rtol=0)
 
 
 def test_kernel_rejects_bad_metadata(kernel) -> None:

@@ -11,6 +11,7 @@ run with ``Tensor.copy_`` (read + write bytes per second), and ``x floor`` is th
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import random
@@ -40,11 +41,16 @@ CASES: list[tuple[str, list[tuple[int, int]]]] = [
 def _median_ms(fn: Callable[[], object], min_s: float, max_reps: int) -> float:
     fn()  # warm-up
     times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < 3 or (time.perf_counter() - start < min_s and len(times) < max_reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+    gc.collect()
+    gc.disable()  # as timeit does: a collection of the interpreter's heap is no part of the call
+    try:
+        start = time.perf_counter()
+        while len(times) < 3 or (time.perf_counter() - start < min_s and len(times) < max_reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
     return statistics.median(times) * 1e3
 
 

@@ -32,9 +32,9 @@ H, KVH, D = 8, 4, 64
 DEFAULT_OUT = Path("bench/results/paged_attention")
 # (name, [(q_len, seq_len)] per sequence)
 CASES: list[tuple[str, list[tuple[int, int]]]] = [
-    *[(f"decode b{b} ctx512", [(1, 512)] * b) for b in (1, 8, 32, 128)],
-    ("prefill 1x1024", [(1024, 1024)]),
-    ("prefill 8x256", [(256, 256)] * 8),
+    *[(f"decode-b{b}-ctx512", [(1, 512)] * b) for b in (1, 8, 32, 128)],
+    ("prefill-1x1024", [(1024, 1024)]),
+    ("prefill-8x256", [(256, 256)] * 8),
 ]
 
 
@@ -137,7 +137,9 @@ class Inputs:
         )
 
 
-def run(block_sizes: list[int], threads: list[int], min_s: float, max_reps: int) -> dict:
+def run(
+    cases: list[str], block_sizes: list[int], threads: list[int], min_s: float, max_reps: int, copy_mib: int
+) -> dict:
     kernel = build.load()
     rows: list[dict] = []
     bandwidth: dict[int, float] = {}
@@ -145,8 +147,8 @@ def run(block_sizes: list[int], threads: list[int], min_s: float, max_reps: int)
     try:
         for nt in threads:
             torch.set_num_threads(nt)
-            bandwidth[nt] = copy_bandwidth()
-            for name, seqs in CASES:
+            bandwidth[nt] = copy_bandwidth(copy_mib)
+            for name, seqs in (c for c in CASES if c[0] in cases):
                 for bs in block_sizes:
                     x = Inputs(seqs, bs)
                     impls: dict[str, Callable[[], object]] = {"fallback": x.flat(paged_attention_ref)}
@@ -201,12 +203,14 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench paged_attention", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="writes OUT.json and OUT.md")
+    p.add_argument("--cases", nargs="+", default=[c[0] for c in CASES], choices=[c[0] for c in CASES])
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 128])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--min-seconds", type=float, default=0.3, help="time each call for at least this long")
     p.add_argument("--max-reps", type=int, default=50)
+    p.add_argument("--copy-mib", type=int, default=256, help="size of the copy that measures bandwidth")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    result = run(args.block_sizes, args.threads, args.min_seconds, args.max_reps)
+    result = run(args.cases, args.block_sizes, args.threads, args.min_seconds, args.max_reps, args.copy_mib)
     out = args.out.with_suffix("") if args.out.suffix in (".json", ".md") else args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass
@@ -227,3 +228,25 @@ def test_no_compiler_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         assert build.load(tmp_path / "any.cpp") is None
     monkeypatch.setattr(build, "load", lambda: None)
     assert kernels.cpu_paged_attention() is paged_attention_ref
+
+
+def test_bench_writes_json_and_markdown(tmp_path: Path) -> None:
+    from bench import paged_attention as bench
+
+    argv = [
+        "--out",
+        str(tmp_path / "pa"),
+        "--cases",
+        "decode-b8-ctx512",
+        "prefill-8x256",
+        "--block-sizes",
+        "16",
+    ]
+    argv += ["--threads", "1", "--min-seconds", "0", "--max-reps", "1", "--copy-mib", "16"]
+    assert bench.main(argv) == 0
+    result = json.loads((tmp_path / "pa.json").read_text())
+    impls = {(r["case"], r["impl"]) for r in result["rows"]}
+    expected = {"fallback", "engine"} | ({"kernel"} if result["kernel_built"] else set())
+    assert impls == {(c, i) for c in ("decode-b8-ctx512", "prefill-8x256") for i in expected}
+    assert all(r["ms"] > 0 and r["x_floor"] > 0 for r in result["rows"])
+    assert "| decode-b8-ctx512 | 16 | 1 |" in (tmp_path / "pa.md").read_text()

@@ -81,11 +81,35 @@ def load(source: Path = SOURCE) -> Callable[..., None] | None:
 
 
 def _build_and_load(source: Path) -> Callable[..., None] | None:
-    if _compiler() is None:
-        _warn("paged attention kernel: no C++ compiler found; using the pure-torch fallback")
+    if not source.is_file():
+        _warn(f"paged attention kernel: source {source} is missing; using the pure-torch fallback")
         return None
     target = build_dir(source)
     t0 = time.perf_counter()
+    if not _load_built(target) and not _build(source, target):
+        return None
+    _register_fake()
+    log.info("paged attention kernel loaded from %s in %.1f s", target, time.perf_counter() - t0)
+    return getattr(torch.ops, OP_NAMESPACE).paged_attention
+
+
+def _load_built(target: Path) -> bool:
+    """A binary already built for this exact source, torch and flags loads without compiler or ninja."""
+    library = target / f"{_NAME}.so"
+    if not library.is_file():
+        return False
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as e:  # e.g. a build interrupted mid-link: build again
+        log.warning("paged attention kernel: cannot load %s (%s); rebuilding", library, e)
+        return False
+    return True
+
+
+def _build(source: Path, target: Path) -> bool:
+    if _compiler() is None:
+        _warn("paged attention kernel: no C++ compiler found; using the pure-torch fallback")
+        return False
     try:
         from torch.utils import cpp_extension
 
@@ -98,15 +122,12 @@ def _build_and_load(source: Path) -> Callable[..., None] | None:
             is_python_module=False,
             verbose=False,
         )
-        op = getattr(torch.ops, OP_NAMESPACE).paged_attention
     except Exception as e:  # a compiler error, a missing header, a linker failure: all mean "fall back"
         _warn(
             f"paged attention kernel: build failed ({type(e).__name__}: {str(e)[-500:]}); using the fallback"
         )
-        return None
-    _register_fake()
-    log.info("paged attention kernel loaded from %s in %.1f s", target, time.perf_counter() - t0)
-    return op
+        return False
+    return True
 
 
 def _register_fake() -> None:

@@ -48,7 +48,14 @@ _fake_registered = False
 def _flags() -> list[str]:
     cap = torch.backends.cpu.get_cpu_capability()
     isa = _ISA_FLAGS.get(cap, [])
-    return ["-O3", "-DCPU_CAPABILITY=bucketserve_" + (cap.lower() if isa else "default"), *isa]
+    return ["-O3", "-DCPU_CAPABILITY=bucketserve_" + (cap.lower() if isa else "default"), *isa, *_openmp()]
+
+
+def _openmp() -> list[str]:
+    # With torch's OpenMP backend, at::parallel_for is an inline `#pragma omp parallel`: without -fopenmp it
+    # silently runs on one thread. libgomp.so.1 is then the one torch already loaded (same soname), so the
+    # kernel and torch's own operators share one thread pool.
+    return ["-fopenmp"] if torch._C.has_openmp else []
 
 
 def build_dir(source: Path = SOURCE) -> Path:
@@ -118,6 +125,7 @@ def _build(source: Path, target: Path) -> bool:
             name=_NAME,
             sources=[str(source)],
             extra_cflags=_flags(),
+            extra_ldflags=_openmp(),
             build_directory=str(target),
             is_python_module=False,
             verbose=False,

@@ -5,7 +5,8 @@ Times the C++ kernel (``engine.kernels``), its pure-torch fallback and the engin
 query heads, 4 KV heads, head dim 64, fp32: decodes of batch 1, 8, 32, 128 at context 512 and prefills of
 1x1024 and 8x256, block sizes 16 and 128, at 1 and 2 threads. Each time is the median ms of one call;
 its memory floor is the K+V bytes the call must read divided by the copy bandwidth measured in the same
-run with ``Tensor.copy_`` (read + write bytes per second), and ``x floor`` is the ratio of the two.
+run with ``Tensor.copy_`` (read + write bytes per second), and ``x floor`` is the ratio of the two
+(decodes are memory-bound; prefills are compute-bound, so their GFLOP/s is the figure to read).
 """
 
 from __future__ import annotations
@@ -98,6 +99,12 @@ class Inputs:
         """K and V of every cached token, read once: the least any implementation must touch."""
         return 2 * int(self.seq_lens.sum()) * KVH * D * self.kv_data.element_size()
 
+    @property
+    def flops(self) -> int:
+        """2 FLOPs per multiply-add of QK^T and of PV, over the keys each query sees (causal)."""
+        seen = sum(q * (s - q) + q * (q + 1) // 2 for q, s in self.seqs)
+        return 4 * H * D * seen
+
     def flat(self, fn: Callable[..., None]) -> Callable[[], None]:
         args = (self.out, self.q, self.kv_data[0, 0], self.kv_data[0, 1], self.block_table)
         return lambda: fn(*args, self.seq_lens, self.query_start_loc, self.scale)
@@ -168,6 +175,7 @@ def run(
                                 "kv_bytes": x.kv_bytes,
                                 "floor_ms": round(floor_ms, 4),
                                 "x_floor": round(ms / floor_ms, 2),
+                                "gflops": round(x.flops / (ms / 1e3) / 1e9, 2),
                             }
                         )
                         print(f"{name:18s} bs={bs:<4d} t={nt} {impl:9s} {ms:9.3f} ms  x{ms / floor_ms:6.1f}")
@@ -187,15 +195,16 @@ def markdown(result: dict) -> str:
     lines = [
         "# Paged attention, one layer call (`small`: 8 heads, 4 KV heads, D 64, fp32)",
         "",
-        f"Copy bandwidth (read + write): {bw}. `x floor` = time / (K+V bytes read / copy bandwidth).",
+        f"Copy bandwidth (read + write): {bw}. `x floor` = time / (K+V bytes read / copy bandwidth); "
+        "GFLOP/s counts QK^T and PV over the keys each query sees.",
         "",
-        "| case | block | threads | impl | ms | KV MB | x floor |",
-        "|---|---:|---:|---|---:|---:|---:|",
+        "| case | block | threads | impl | ms | KV MB | x floor | GFLOP/s |",
+        "|---|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['case']} | {r['block_size']} | {r['threads']} | {r['impl']} | {r['ms']:.3f} "
-            f"| {r['kv_bytes'] / 1e6:.1f} | {r['x_floor']:.1f} |"
+            f"| {r['kv_bytes'] / 1e6:.1f} | {r['x_floor']:.1f} | {r['gflops']:.1f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -256,5 +256,5 @@ def test_bench_writes_json_and_markdown(tmp_path: Path) -> None:
     impls = {(r["case"], r["impl"]) for r in result["rows"]}
     expected = {"fallback", "engine"} | ({"kernel"} if result["kernel_built"] else set())
     assert impls == {(c, i) for c in ("decode-b8-ctx512", "prefill-8x256") for i in expected}
-    assert all(r["ms"] > 0 and r["x_floor"] > 0 for r in result["rows"])
+    assert all(r["ms"] > 0 and r["x_floor"] > 0 and r["gflops"] > 0 for r in result["rows"])
     assert "| decode-b8-ctx512 | 16 | 1 |" in (tmp_path / "pa.md").read_text()

@@ -107,7 +107,7 @@ def _load_built(target: Path) -> bool:
         return False
     try:
         torch.ops.load_library(str(library))
-    except OSError as e:  # e.g. a build interrupted mid-link: build again
+    except Exception as e:  # e.g. a build interrupted mid-link: build again (which warns if it fails too)
         log.warning("paged attention kernel: cannot load %s (%s); rebuilding", library, e)
         return False
     return True

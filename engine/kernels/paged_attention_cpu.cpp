@@ -90,6 +90,21 @@ struct Scratch {
   }
 };
 
+// Prefetch n elements from p into L2. The streaming passes run on data one pass ahead: V of the chunk
+// while its scores are computed, K of the next chunk while V is summed. (Inline asm: GCC 12 drops
+// __builtin_prefetch as dead code in these loops.)
+template <typename T>
+inline void prefetch_l2(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) {
+#if defined(__x86_64__)
+    asm volatile("prefetcht1 %0" : : "m"(c[off]));
+#else
+    __builtin_prefetch(c + off, 0, 2);
+#endif
+  }
+}
+
 // One work item: item-wide view of the call's tensors and the item's place in them.
 template <typename QT, typename KT>
 struct Item {
@@ -173,6 +188,7 @@ struct Item {
       // Slots go 4 at a time: one horizontal sum per 4 dots, one accumulator load/store per 4 FMAs.
       for (int64_t s = 0; s < n; s += 4) {
         const int64_t k = std::min<int64_t>(4, n - s);
+        for (int64_t j = 0; j < k; ++j) prefetch_l2(vc + sc.voff[s + j] + w.head_begin * g.v_h, nh * g.v_h);
         for (int64_t hh = 0; hh < nh; ++hh) {
           for (int64_t j = 0; j < 4; ++j)
             kr[j] = row(kc + sc.koff[s + std::min(j, k - 1)] + (w.head_begin + hh) * g.k_h, sc.kf.get() + j * D, D);
@@ -185,8 +201,13 @@ struct Item {
       for (int64_t hh = 0; hh < nh; ++hh)
         softmax_chunk(S + hh * M * np, np, sc.acc.get() + hh * M * D, sc.m.get() + hh * M, sc.l.get() + hh * M,
                       M, D, n, ctx_start + w.q_begin, g.G, p0);
+      const int64_t p1 = p0 + ch, n1 = std::clamp<int64_t>(kv_end - p1, 0, ch);
       for (int64_t s = 0; s < n; s += 4) {
         const int64_t k = std::min<int64_t>(4, n - s);
+        for (int64_t j = s; j < std::min(s + 4, n1); ++j) {
+          const int64_t blk = table[(p1 + j) / g.BS], slot = (p1 + j) % g.BS;
+          prefetch_l2(kc + blk * g.k_b + slot * g.k_s + w.head_begin * g.k_h, nh * g.k_h);
+        }
         for (int64_t hh = 0; hh < nh; ++hh) {
           for (int64_t j = 0; j < k; ++j)
             vr[j] = row(vc + sc.voff[s + j] + (w.head_begin + hh) * g.v_h, sc.vf.get() + j * D, D);

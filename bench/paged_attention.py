@@ -5,12 +5,14 @@ Times the C++ kernel (``engine.kernels``), its pure-torch fallback and the engin
 query heads, 4 KV heads, head dim 64, fp32: decodes of batch 1, 8, 32, 128 at context 512 and prefills of
 1x1024 and 8x256, block sizes 16 and 128, at 1 and 2 threads. Each time is the median ms of one call;
 its memory floor is the K+V bytes the call must read divided by the copy bandwidth measured in the same
-run with ``Tensor.copy_`` (read + write bytes per second), and ``x floor`` is the ratio of the two.
+run with ``Tensor.copy_`` (read + write bytes per second), and ``x floor`` is the ratio of the two
+(decodes are memory-bound; prefills are compute-bound, so their GFLOP/s is the figure to read).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import random
@@ -31,20 +33,25 @@ H, KVH, D = 8, 4, 64
 DEFAULT_OUT = Path("bench/results/paged_attention")
 # (name, [(q_len, seq_len)] per sequence)
 CASES: list[tuple[str, list[tuple[int, int]]]] = [
-    *[(f"decode b{b} ctx512", [(1, 512)] * b) for b in (1, 8, 32, 128)],
-    ("prefill 1x1024", [(1024, 1024)]),
-    ("prefill 8x256", [(256, 256)] * 8),
+    *[(f"decode-b{b}-ctx512", [(1, 512)] * b) for b in (1, 8, 32, 128)],
+    ("prefill-1x1024", [(1024, 1024)]),
+    ("prefill-8x256", [(256, 256)] * 8),
 ]
 
 
 def _median_ms(fn: Callable[[], object], min_s: float, max_reps: int) -> float:
     fn()  # warm-up
     times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < 3 or (time.perf_counter() - start < min_s and len(times) < max_reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+    gc.collect()
+    gc.disable()  # as timeit does: a collection of the interpreter's heap is no part of the call
+    try:
+        start = time.perf_counter()
+        while len(times) < 3 or (time.perf_counter() - start < min_s and len(times) < max_reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
     return statistics.median(times) * 1e3
 
 
@@ -92,6 +99,12 @@ class Inputs:
         """K and V of every cached token, read once: the least any implementation must touch."""
         return 2 * int(self.seq_lens.sum()) * KVH * D * self.kv_data.element_size()
 
+    @property
+    def flops(self) -> int:
+        """2 FLOPs per multiply-add of QK^T and of PV, over the keys each query sees (causal)."""
+        seen = sum(q * (s - q) + q * (q + 1) // 2 for q, s in self.seqs)
+        return 4 * H * D * seen
+
     def flat(self, fn: Callable[..., None]) -> Callable[[], None]:
         args = (self.out, self.q, self.kv_data[0, 0], self.kv_data[0, 1], self.block_table)
         return lambda: fn(*args, self.seq_lens, self.query_start_loc, self.scale)
@@ -131,7 +144,9 @@ class Inputs:
         )
 
 
-def run(block_sizes: list[int], threads: list[int], min_s: float, max_reps: int) -> dict:
+def run(
+    cases: list[str], block_sizes: list[int], threads: list[int], min_s: float, max_reps: int, copy_mib: int
+) -> dict:
     kernel = build.load()
     rows: list[dict] = []
     bandwidth: dict[int, float] = {}
@@ -139,8 +154,8 @@ def run(block_sizes: list[int], threads: list[int], min_s: float, max_reps: int)
     try:
         for nt in threads:
             torch.set_num_threads(nt)
-            bandwidth[nt] = copy_bandwidth()
-            for name, seqs in CASES:
+            bandwidth[nt] = copy_bandwidth(copy_mib)
+            for name, seqs in (c for c in CASES if c[0] in cases):
                 for bs in block_sizes:
                     x = Inputs(seqs, bs)
                     impls: dict[str, Callable[[], object]] = {"fallback": x.flat(paged_attention_ref)}
@@ -160,6 +175,7 @@ def run(block_sizes: list[int], threads: list[int], min_s: float, max_reps: int)
                                 "kv_bytes": x.kv_bytes,
                                 "floor_ms": round(floor_ms, 4),
                                 "x_floor": round(ms / floor_ms, 2),
+                                "gflops": round(x.flops / (ms / 1e3) / 1e9, 2),
                             }
                         )
                         print(f"{name:18s} bs={bs:<4d} t={nt} {impl:9s} {ms:9.3f} ms  x{ms / floor_ms:6.1f}")
@@ -179,15 +195,16 @@ def markdown(result: dict) -> str:
     lines = [
         "# Paged attention, one layer call (`small`: 8 heads, 4 KV heads, D 64, fp32)",
         "",
-        f"Copy bandwidth (read + write): {bw}. `x floor` = time / (K+V bytes read / copy bandwidth).",
+        f"Copy bandwidth (read + write): {bw}. `x floor` = time / (K+V bytes read / copy bandwidth); "
+        "GFLOP/s counts QK^T and PV over the keys each query sees.",
         "",
-        "| case | block | threads | impl | ms | KV MB | x floor |",
-        "|---|---:|---:|---|---:|---:|---:|",
+        "| case | block | threads | impl | ms | KV MB | x floor | GFLOP/s |",
+        "|---|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['case']} | {r['block_size']} | {r['threads']} | {r['impl']} | {r['ms']:.3f} "
-            f"| {r['kv_bytes'] / 1e6:.1f} | {r['x_floor']:.1f} |"
+            f"| {r['kv_bytes'] / 1e6:.1f} | {r['x_floor']:.1f} | {r['gflops']:.1f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -195,12 +212,14 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench paged_attention", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="writes OUT.json and OUT.md")
+    p.add_argument("--cases", nargs="+", default=[c[0] for c in CASES], choices=[c[0] for c in CASES])
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 128])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--min-seconds", type=float, default=0.3, help="time each call for at least this long")
     p.add_argument("--max-reps", type=int, default=50)
+    p.add_argument("--copy-mib", type=int, default=256, help="size of the copy that measures bandwidth")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    result = run(args.block_sizes, args.threads, args.min_seconds, args.max_reps)
+    result = run(args.cases, args.block_sizes, args.threads, args.min_seconds, args.max_reps, args.copy_mib)
     out = args.out.with_suffix("") if args.out.suffix in (".json", ".md") else args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass
@@ -132,7 +133,7 @@ KINDS = {
     "decode32": _decode(32, 2),
     "prefill": [(1, 1), (17, 17), (128, 128), (300, 300)],
     "chunked": [(50, 250), (128, 129), (200, 600), (16, 32)],
-    "mixed": [(1, 600), (1, 5), (300, 300), (64, 400), (1, 129), (33, 33)],
+    "mixed": [(1, 600), (1, 5), (300, 300), (0, 40), (64, 400), (1, 129), (33, 33)],
 }
 
 
@@ -184,6 +185,19 @@ def test_strided_views_of_the_engine_cache(kernel) -> None:
     torch.testing.assert_close(out.double(), dense_reference(c), atol=2e-5, rtol=1e-5)
 
 
+def test_kernel_same_result_on_one_thread(kernel) -> None:
+    """Work items are split between threads, never the arithmetic of one: any thread count, same bits."""
+    c = make_case(KINDS["mixed"], 2, 16, torch.float32, seed=8)
+    many = _run(kernel, c)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = _run(kernel, c)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(one, many, atol=0, rtol=0)
+
+
 def test_kernel_rejects_bad_metadata(kernel) -> None:
     c = make_case([(1, 40)], 4, 16, torch.float32)
     c.block_table[0, 1] = c.k_cache.shape[0]  # one past the last block
@@ -207,10 +221,40 @@ def test_broken_source_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert build.load(broken) is None
 
 
+def test_built_kernel_loads_without_compiler(kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(build, "_compiler", lambda: None)
+    monkeypatch.setattr(build, "_loaded", {})
+    assert build.load() is not None
+
+
 def test_no_compiler_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(build, "_compiler", lambda: None)
     monkeypatch.setattr(build, "_loaded", {})
+    source = tmp_path / "kernel.cpp"
+    source.write_text(build.SOURCE.read_text() + "// not built yet\n")
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
-        assert build.load(tmp_path / "any.cpp") is None
+        assert build.load(source) is None
     monkeypatch.setattr(build, "load", lambda: None)
     assert kernels.cpu_paged_attention() is paged_attention_ref
+
+
+def test_bench_writes_json_and_markdown(tmp_path: Path) -> None:
+    from bench import paged_attention as bench
+
+    argv = [
+        "--out",
+        str(tmp_path / "pa"),
+        "--cases",
+        "decode-b8-ctx512",
+        "prefill-8x256",
+        "--block-sizes",
+        "16",
+    ]
+    argv += ["--threads", "1", "--min-seconds", "0", "--max-reps", "1", "--copy-mib", "16"]
+    assert bench.main(argv) == 0
+    result = json.loads((tmp_path / "pa.json").read_text())
+    impls = {(r["case"], r["impl"]) for r in result["rows"]}
+    expected = {"fallback", "engine"} | ({"kernel"} if result["kernel_built"] else set())
+    assert impls == {(c, i) for c in ("decode-b8-ctx512", "prefill-8x256") for i in expected}
+    assert all(r["ms"] > 0 and r["x_floor"] > 0 and r["gflops"] > 0 for r in result["rows"])
+    assert "| decode-b8-ctx512 | 16 | 1 |" in (tmp_path / "pa.md").read_text()

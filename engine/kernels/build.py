@@ -1,6 +1,6 @@
 """Build (once) and load the C++ paged attention kernel; ``None`` when it cannot be had.
 
-The extension is compiled into ``$BUCKETSERVE_CACHE/extensions/<hash>``, the hash covering the source,
+The extension is compiled into ``$BUCKETSERVE_CACHE/extensions/<hash>``, the hash covering the sources,
 the torch version, the compiler flags and the CPU capability torch detected, so a cache folder shared
 between machines or torch upgrades never loads a stale or foreign binary. Loading is once per process:
 the operator registers itself as ``torch.ops.bucketserve_cpu.paged_attention``.
@@ -48,12 +48,20 @@ _fake_registered = False
 def _flags() -> list[str]:
     cap = torch.backends.cpu.get_cpu_capability()
     isa = _ISA_FLAGS.get(cap, [])
-    return ["-O3", "-DCPU_CAPABILITY=bucketserve_" + (cap.lower() if isa else "default"), *isa]
+    return ["-O3", "-DCPU_CAPABILITY=bucketserve_" + (cap.lower() if isa else "default"), *isa, *_openmp()]
+
+
+def _openmp() -> list[str]:
+    # With torch's OpenMP backend, at::parallel_for is an inline `#pragma omp parallel`: without -fopenmp it
+    # silently runs on one thread. libgomp.so.1 is then the one torch already loaded (same soname), so the
+    # kernel and torch's own operators share one thread pool.
+    return ["-fopenmp"] if torch._C.has_openmp else []
 
 
 def build_dir(source: Path = SOURCE) -> Path:
     h = hashlib.sha256()
-    h.update(source.read_bytes())
+    for path in [source, *sorted(source.parent.glob("*.h"))]:  # the source and the headers beside it
+        h.update(path.read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join(_flags()).encode())
     h.update(sys.version.split()[0].encode())
@@ -80,11 +88,35 @@ def load(source: Path = SOURCE) -> Callable[..., None] | None:
 
 
 def _build_and_load(source: Path) -> Callable[..., None] | None:
-    if _compiler() is None:
-        _warn("paged attention kernel: no C++ compiler found; using the pure-torch fallback")
+    if not source.is_file():
+        _warn(f"paged attention kernel: source {source} is missing; using the pure-torch fallback")
         return None
     target = build_dir(source)
     t0 = time.perf_counter()
+    if not _load_built(target) and not _build(source, target):
+        return None
+    _register_fake()
+    log.info("paged attention kernel loaded from %s in %.1f s", target, time.perf_counter() - t0)
+    return getattr(torch.ops, OP_NAMESPACE).paged_attention
+
+
+def _load_built(target: Path) -> bool:
+    """A binary already built for this exact source, torch and flags loads without compiler or ninja."""
+    library = target / f"{_NAME}.so"
+    if not library.is_file():
+        return False
+    try:
+        torch.ops.load_library(str(library))
+    except Exception as e:  # e.g. a build interrupted mid-link: build again (which warns if it fails too)
+        log.warning("paged attention kernel: cannot load %s (%s); rebuilding", library, e)
+        return False
+    return True
+
+
+def _build(source: Path, target: Path) -> bool:
+    if _compiler() is None:
+        _warn("paged attention kernel: no C++ compiler found; using the pure-torch fallback")
+        return False
     try:
         from torch.utils import cpp_extension
 
@@ -93,19 +125,17 @@ def _build_and_load(source: Path) -> Callable[..., None] | None:
             name=_NAME,
             sources=[str(source)],
             extra_cflags=_flags(),
+            extra_ldflags=_openmp(),
             build_directory=str(target),
             is_python_module=False,
             verbose=False,
         )
-        op = getattr(torch.ops, OP_NAMESPACE).paged_attention
     except Exception as e:  # a compiler error, a missing header, a linker failure: all mean "fall back"
         _warn(
             f"paged attention kernel: build failed ({type(e).__name__}: {str(e)[-500:]}); using the fallback"
         )
-        return None
-    _register_fake()
-    log.info("paged attention kernel loaded from %s in %.1f s", target, time.perf_counter() - t0)
-    return op
+        return False
+    return True
 
 
 def _register_fake() -> None:

@@ -9,111 +9,34 @@
 // attends causally to positions 0 .. that position, read in place through block_table[i].
 //
 // Design (2-core AVX-512 host, memory-bound decode, compute-bound prefill):
-// - Work item = (sequence, KV head, tile of queries). All G = H / KVH query heads of the KV head and all
+// - Work item = (sequence, KV heads, tile of queries). All G = H / KVH query heads of a KV head and all
 //   queries of the tile are the rows of one small matrix, so every K/V row is read once per tile.
-// - K/V blocks are read in place (no gather); softmax is online (running max, sum and accumulator).
-// - Scores: with few rows (decodes) one vectorised dot per (row, slot); with many rows the K block is
-//   transposed into a scratch [D, slots] so QK^T becomes a register-blocked mini GEMM (no horizontal sums).
-//   P·V is always the mini GEMM. bf16 K/V/Q are widened to fp32 in per-thread scratch: compute is fp32.
+// - K/V rows are read in place through the block table (no gather copy); keys go in chunks of >= 128
+//   slots with an online softmax (running max, sum and accumulator per row).
+// - Few rows (decodes, short chunks: memory-bound): an item takes several KV heads and walks each chunk
+//   in memory order, whole token rows, with 4-slot dots and AXPYs. Many rows (prefill tiles of ~128 rows:
+//   compute-bound): S^T = K Q^T and P V are register-blocked mini GEMMs, the softmax vectorised over rows.
+// - bf16 K/V/Q are widened to fp32 in per-thread scratch: compute is always fp32.
 // - Threads pull work items from an atomic counter, longest first: causal tiles differ a lot in cost.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
-#include <limits>
 #include <memory>
 #include <vector>
 
+#include "paged_attention_math.h"
+
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t VS = Vec::size();
-constexpr int64_t kTileRows = 128;  // rows (queries x heads) per prefill tile: amortises the K transpose
-constexpr int64_t kGemmRowsMin = 8;
+using namespace bucketserve_kernels;
+
+constexpr int64_t kTileRows = 128;  // rows (queries x heads) per prefill tile: K/V reuse per read
+constexpr int64_t kGemmRowsMin = 8;  // from this many rows per KV head, the GEMM path
 constexpr int64_t kChunkSlots = 128;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-// dst[0..n) = float(src[0..n)) * mul
-template <typename T>
-inline void to_float(const T* src, float* dst, int64_t n, float mul = 1.f) {
-  int64_t d = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    for (; d + VS <= n; d += VS) (Vec::loadu(src + d) * Vec(mul)).store(dst + d);
-  } else {
-    for (; d + VS <= n; d += VS) {
-      Vec v;
-      at::vec::load_to_float<T>(src + d, v);
-      (v * Vec(mul)).store(dst + d);
-    }
-  }
-  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]) * mul;
-}
-
-// C[R, N] (+)= A[R, K] . B[K, N], fp32; B is given by row pointers (rows of K/V blocks lie anywhere in the
-// cache). R <= 4 rows x 2 column vectors of C stay in registers; A's elements are broadcast.
-template <int R>
-inline void gemm_rows(const float* A, int64_t lda, const float* const* B, float* C, int64_t ldc, int64_t K,
-                      int64_t N, bool accumulate) {
-  for (int64_t n0 = 0; n0 < N; n0 += 2 * VS) {
-    const int64_t c0 = std::min(VS, N - n0);
-    const int64_t c1 = std::max<int64_t>(0, std::min(VS, N - n0 - VS));
-    Vec acc[R][2];
-    for (int r = 0; r < R; ++r) {
-      acc[r][0] = accumulate ? Vec::loadu(C + r * ldc + n0, c0) : Vec(0.f);
-      acc[r][1] = (accumulate && c1 > 0) ? Vec::loadu(C + r * ldc + n0 + VS, c1) : Vec(0.f);
-    }
-    if (c1 > 0) {
-      for (int64_t k = 0; k < K; ++k) {
-        const Vec b0 = Vec::loadu(B[k] + n0, c0);
-        const Vec b1 = Vec::loadu(B[k] + n0 + VS, c1);
-        for (int r = 0; r < R; ++r) {
-          const Vec a(A[r * lda + k]);
-          acc[r][0] = at::vec::fmadd(a, b0, acc[r][0]);
-          acc[r][1] = at::vec::fmadd(a, b1, acc[r][1]);
-        }
-      }
-    } else {
-      for (int64_t k = 0; k < K; ++k) {
-        const Vec b0 = Vec::loadu(B[k] + n0, c0);
-        for (int r = 0; r < R; ++r) acc[r][0] = at::vec::fmadd(Vec(A[r * lda + k]), b0, acc[r][0]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      acc[r][0].store(C + r * ldc + n0, c0);
-      if (c1 > 0) acc[r][1].store(C + r * ldc + n0 + VS, c1);
-    }
-  }
-}
-
-void small_gemm(const float* A, int64_t lda, const float* const* B, float* C, int64_t ldc, int64_t M, int64_t K,
-                int64_t N, bool accumulate) {
-  int64_t r = 0;
-  for (; r + 4 <= M; r += 4) gemm_rows<4>(A + r * lda, lda, B, C + r * ldc, ldc, K, N, accumulate);
-  const float* a = A + r * lda;
-  float* c = C + r * ldc;
-  switch (M - r) {
-    case 3: gemm_rows<3>(a, lda, B, c, ldc, K, N, accumulate); break;
-    case 2: gemm_rows<2>(a, lda, B, c, ldc, K, N, accumulate); break;
-    case 1: gemm_rows<1>(a, lda, B, c, ldc, K, N, accumulate); break;
-    default: break;
-  }
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  Vec acc(0.f);
-  int64_t d = 0;
-  for (; d + VS <= n; d += VS) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
-  if (d < n) acc = at::vec::fmadd(Vec::loadu(a + d, n - d), Vec::loadu(b + d, n - d), acc);
-  return at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, acc);
-}
 
 struct Geometry {
   int64_t H, KVH, G, D, BS, NB, W;
@@ -139,59 +62,46 @@ template <typename T>
 using Buf = std::unique_ptr<T[]>;
 
 struct Scratch {
-  Buf<float> q, s, acc, m, l, kt, kf, vf;
+  Buf<float> q, s, acc, m, l, mnew, alpha, qt, kf, vf;
   Buf<int64_t> koff, voff;
-  Buf<const float*> krow, vrow, ktrow;
+  Buf<const float*> krow, vrow, qtrow, prow;
+  int64_t ldq;  // row length of Q^T and S^T: the tile's rows, padded to whole vectors
   Scratch(int64_t rows, int64_t D, int64_t BS) {
     const int64_t ch = chunk_slots(BS), np = round_up(ch, VS);
+    ldq = round_up(rows, VS);
     q.reset(new float[rows * D]);
-    s.reset(new float[rows * np]);
+    s.reset(new float[std::max(rows * np, ch * ldq)]);
     acc.reset(new float[rows * D]);
     m.reset(new float[rows]);
     l.reset(new float[rows]);
-    kt.reset(new float[D * np]);
+    mnew.reset(new float[ldq]);
+    alpha.reset(new float[ldq]);
+    qt.reset(new float[D * ldq]);
     kf.reset(new float[ch * D]);
     vf.reset(new float[ch * D]);
     koff.reset(new int64_t[ch]);
     voff.reset(new int64_t[ch]);
     krow.reset(new const float*[ch]);
     vrow.reset(new const float*[ch]);
-    ktrow.reset(new const float*[D]);
-    for (int64_t d = 0; d < D; ++d) ktrow[d] = kt.get() + d * np;
+    qtrow.reset(new const float*[D]);
+    prow.reset(new const float*[rows]);
+    for (int64_t d = 0; d < D; ++d) qtrow[d] = qt.get() + d * ldq;
+    for (int64_t r = 0; r < rows; ++r) prow[r] = s.get() + r;
   }
 };
 
-// Online softmax over one chunk: S[r, :n] (scores) becomes P, each row's running max/sum/acc rescaled.
-// Row r sees nr = clamp(last_pos(r) - p0 + 1, 0, n) slots of the chunk; the rest of its P is 0.
-inline void softmax_chunk(float* S, int64_t np, float* acc, float* mx, float* sum, int64_t M, int64_t D,
-                          int64_t n, int64_t first_last_pos, int64_t G, int64_t p0) {
-  const auto vsum_all = [](Vec x, Vec y) { return x + y; };
-  const auto vmax_all = [](Vec x, Vec y) { return at::vec::maximum(x, y); };
-  for (int64_t r = 0; r < M; ++r) {
-    float* srow = S + r * np;
-    const int64_t nr = std::clamp<int64_t>(first_last_pos + r / G - p0 + 1, 0, n);
-    if (nr == 0) {  // every slot of this chunk is in the row's future
-      std::fill(srow, srow + np, 0.f);
-      continue;
-    }
-    std::fill(srow + nr, srow + np, kNegInf);
-    Vec vmax(kNegInf);
-    for (int64_t s = 0; s < np; s += VS) vmax = at::vec::maximum(vmax, Vec::loadu(srow + s));
-    const float new_max = std::max(mx[r], at::vec::vec_reduce_all<float>(vmax_all, vmax));
-    const float alpha = std::exp(mx[r] - new_max);  // exp(-inf) = 0 on the first chunk
-    const Vec vm(new_max);
-    for (int64_t s = 0; s < np; s += VS) (Vec::loadu(srow + s) - vm).exp_u20().store(srow + s);
-    std::fill(srow + nr, srow + np, 0.f);  // masked slots: exact zeros, whatever exp gave for -inf
-    Vec vsum(0.f);
-    for (int64_t s = 0; s < np; s += VS) vsum = vsum + Vec::loadu(srow + s);
-    sum[r] = sum[r] * alpha + at::vec::vec_reduce_all<float>(vsum_all, vsum);
-    mx[r] = new_max;
-    if (alpha != 1.f) {
-      float* arow = acc + r * D;
-      int64_t d = 0;
-      for (; d + VS <= D; d += VS) (Vec::loadu(arow + d) * Vec(alpha)).store(arow + d);
-      for (; d < D; ++d) arow[d] *= alpha;
-    }
+// Prefetch n elements from p into L2. The streaming passes run on data one pass ahead: V of the chunk
+// while its scores are computed, K of the next chunk while V is summed. (Inline asm: GCC 12 drops
+// __builtin_prefetch as dead code in these loops.)
+template <typename T>
+inline void prefetch_l2(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) {
+#if defined(__x86_64__)
+    asm volatile("prefetcht1 %0" : : "m"(c[off]));
+#else
+    __builtin_prefetch(c + off, 0, 2);
+#endif
   }
 }
 
@@ -269,57 +179,77 @@ struct Item {
     const int64_t ch = chunk_slots(g.BS), np = round_up(ch, VS);
     const int64_t kv_end = ctx_start + w.q_end;
     float* S = sc.s.get();  // [heads][rows][np]
+    const float* kr[4];
+    const float* vr[4];
+    float dots[4];
     for (int64_t p0 = 0; p0 < kv_end; p0 += ch) {
       const int64_t n = std::min(ch, kv_end - p0);
       locate(p0, n);
-      for (int64_t s = 0; s < n; ++s)
+      // Slots go 4 at a time: one horizontal sum per 4 dots, one accumulator load/store per 4 FMAs.
+      for (int64_t s = 0; s < n; s += 4) {
+        const int64_t k = std::min<int64_t>(4, n - s);
+        for (int64_t j = 0; j < k; ++j) prefetch_l2(vc + sc.voff[s + j] + w.head_begin * g.v_h, nh * g.v_h);
         for (int64_t hh = 0; hh < nh; ++hh) {
-          const float* kr = row(kc + sc.koff[s] + (w.head_begin + hh) * g.k_h, sc.kf.get(), D);
-          for (int64_t r = 0; r < M; ++r)
-            S[(hh * M + r) * np + s] = dot(sc.q.get() + (hh * M + r) * D, kr, D);
+          for (int64_t j = 0; j < 4; ++j)
+            kr[j] = row(kc + sc.koff[s + std::min(j, k - 1)] + (w.head_begin + hh) * g.k_h, sc.kf.get() + j * D, D);
+          for (int64_t r = 0; r < M; ++r) {
+            dot4(sc.q.get() + (hh * M + r) * D, kr, D, dots);
+            std::copy(dots, dots + k, S + (hh * M + r) * np + s);
+          }
         }
+      }
       for (int64_t hh = 0; hh < nh; ++hh)
         softmax_chunk(S + hh * M * np, np, sc.acc.get() + hh * M * D, sc.m.get() + hh * M, sc.l.get() + hh * M,
                       M, D, n, ctx_start + w.q_begin, g.G, p0);
-      for (int64_t s = 0; s < n; ++s)
+      const int64_t p1 = p0 + ch, n1 = std::clamp<int64_t>(kv_end - p1, 0, ch);
+      for (int64_t s = 0; s < n; s += 4) {
+        const int64_t k = std::min<int64_t>(4, n - s);
+        for (int64_t j = s; j < std::min(s + 4, n1); ++j) {
+          const int64_t blk = table[(p1 + j) / g.BS], slot = (p1 + j) % g.BS;
+          prefetch_l2(kc + blk * g.k_b + slot * g.k_s + w.head_begin * g.k_h, nh * g.k_h);
+        }
         for (int64_t hh = 0; hh < nh; ++hh) {
-          const float* vr = row(vc + sc.voff[s] + (w.head_begin + hh) * g.v_h, sc.vf.get(), D);
+          for (int64_t j = 0; j < k; ++j)
+            vr[j] = row(vc + sc.voff[s + j] + (w.head_begin + hh) * g.v_h, sc.vf.get() + j * D, D);
           for (int64_t r = 0; r < M; ++r) {
-            const float p = S[(hh * M + r) * np + s];
-            if (p == 0.f) continue;
+            const float* p = S + (hh * M + r) * np + s;
             float* arow = sc.acc.get() + (hh * M + r) * D;
-            int64_t d = 0;
-            for (; d + VS <= D; d += VS)
-              at::vec::fmadd(Vec(p), Vec::loadu(vr + d), Vec::loadu(arow + d)).store(arow + d);
-            for (; d < D; ++d) arow[d] += p * vr[d];
+            if (k == 4) {
+              axpy4(p, vr, arow, D);
+            } else {
+              for (int64_t j = 0; j < k; ++j)
+                for (int64_t d = 0; d < D; ++d) arow[d] += p[j] * vr[j][d];
+            }
           }
         }
+      }
     }
   }
 
-  // Many rows (prefill tiles): compute-bound. Per KV head, QK^T and PV are register-blocked mini GEMMs,
-  // the K chunk transposed once into scratch; K/V are re-read by later tiles from cache.
+  // Many rows (prefill tiles): compute-bound. Per KV head, S^T = K Q^T and acc += P V are register-blocked
+  // mini GEMMs reading K/V rows in place (Q^T is built once per tile); later tiles re-read K/V from cache.
   void run_tiled() {
-    const int64_t M = rows(), D = g.D;
-    const int64_t ch = chunk_slots(g.BS), np = round_up(ch, VS);
+    const int64_t M = rows(), D = g.D, ld = sc.ldq;
+    const int64_t ch = chunk_slots(g.BS);
     const int64_t kv_end = ctx_start + w.q_end;
-    float* S = sc.s.get();  // [rows][np]
-    float* kt = sc.kt.get();  // [D][np]
-    for (int64_t p0 = 0; p0 < kv_end; p0 += ch) {
-      const int64_t n = std::min(ch, kv_end - p0);
-      locate(p0, n);
-      for (int64_t hh = 0; hh < heads(); ++hh) {
-        const int64_t h = w.head_begin + hh;
+    float* St = sc.s.get();  // [n][ld]
+    for (int64_t hh = 0; hh < heads(); ++hh) {
+      const int64_t h = w.head_begin + hh;
+      const float* qh = sc.q.get() + hh * M * D;
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t d = 0; d < D; ++d) sc.qt[d * ld + r] = qh[r * D + d];
+      float* acc = sc.acc.get() + hh * M * D;
+      for (int64_t p0 = 0; p0 < kv_end; p0 += ch) {
+        const int64_t n = std::min(ch, kv_end - p0);
+        locate(p0, n);
         for (int64_t s = 0; s < n; ++s) {
-          const float* kr = row(kc + sc.koff[s] + h * g.k_h, sc.kf.get() + s * D, D);
-          for (int64_t d = 0; d < D; ++d) kt[d * np + s] = kr[d];
+          sc.krow[s] = row(kc + sc.koff[s] + h * g.k_h, sc.kf.get() + s * D, D);
           sc.vrow[s] = row(vc + sc.voff[s] + h * g.v_h, sc.vf.get() + s * D, D);
         }
-        float* acc = sc.acc.get() + hh * M * D;
-        small_gemm(sc.q.get() + hh * M * D, D, sc.ktrow.get(), S, np, M, D, n, false);  // S = Q K^T
-        softmax_chunk(S, np, acc, sc.m.get() + hh * M, sc.l.get() + hh * M, M, D, n, ctx_start + w.q_begin,
-                      g.G, p0);
-        small_gemm(S, np, sc.vrow.get(), acc, D, M, n, D, true);  // acc[M, D] += P[M, n] V[n, D]
+        small_gemm(sc.krow.get(), 1, sc.qtrow.get(), St, ld, n, D, M, false);  // S^T[n, M] = K Q^T
+        softmax_chunk_t(St, ld, acc, sc.m.get() + hh * M, sc.l.get() + hh * M, sc.mnew.get(), sc.alpha.get(), M,
+                        D, n, ctx_start + w.q_begin, g.G, p0);
+        small_gemm(sc.prow.get(), ld, sc.vrow.get(), acc, D, M, n, D, true);  // acc[M, D] += P[M, n] V[n, D]
       }
     }
   }

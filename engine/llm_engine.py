@@ -23,6 +23,7 @@ from engine.device import get_device
 from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION
 from engine.flat_runner import FlatRunner
 from engine.kv_cache import KVCache
+from engine.linear_prepack import can_prepack, prepack_linears
 from engine.memory import plan_kv_memory
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner
@@ -55,6 +56,9 @@ class LLMEngine:
             config, self.device.name, self.loaded.max_position_embeddings
         )
         self.tokenizer = self.loaded.tokenizer
+        model_dtype = next(self.loaded.model.parameters()).dtype
+        if can_prepack(self.device.torch_device, model_dtype):
+            prepack_linears(self.loaded.model)
         self.block_size = bs = cfg.cache.block_size
         self.kv_spec = self.loaded.kv_spec(bs)
         sched = cfg.scheduler

@@ -201,11 +201,13 @@ def run(args: argparse.Namespace) -> None:
         cfg = replace(
             cfg, cache=replace(cfg.cache, num_blocks=need, block_size=cfg.cache.block_size or block)
         )
+    # The machine first, in a quiet process: after the engine's first steps its thread pool may still spin
+    # (OpenMP waits actively for a while), which lowered the copy bandwidth read afterwards by a third.
+    machine = measure_machine(getattr(torch, cfg.dtype), max(7, args.repeats))
     engine = LLMEngine(cfg)
     model = engine.loaded.model
     dtype = next(model.parameters()).dtype
     shape = ModelShape.of(model, torch.tensor([], dtype=dtype).element_size())
-    machine = measure_machine(dtype, max(3, args.repeats))
     bw, rate = machine["bandwidth_Bps"], machine["gemm_flops"]
     rows = []
     for b, t in prefill:

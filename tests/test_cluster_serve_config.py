@@ -77,3 +77,18 @@ def test_deploy_serve_config_args_are_serve_keys_with_their_defaults_valid():
     p.set_defaults(**keys)
     cfg = cluster_config_from_args(p.parse_args([]), detached=True)
     assert cfg.mode == app["args"]["mode"] and cfg.engine.model == app["args"]["model"]
+
+
+def test_a_colocated_worker_uses_its_share_of_the_cores_unless_told():
+    import os
+
+    cores = os.cpu_count() or 1
+    assert cluster_config_from_args(parse([])).worker_threads() == 1  # disaggregated: one core each
+    assert cluster_config_from_args(parse(["--mode", "colocated"])).worker_threads() == cores
+    two = cluster_config_from_args(parse(["--mode", "colocated", "--colocated-workers", "2"]))
+    assert two.worker_threads() == max(1, cores // 2)
+    assert cluster_config_from_args(parse(["--mode", "colocated", "--num-threads", "3"])).worker_threads() == 3
+    args = parse([])
+    args.num_threads = 0
+    with pytest.raises(ValueError, match="ClusterConfig.num_threads"):
+        cluster_config_from_args(args)

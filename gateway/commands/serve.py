@@ -65,7 +65,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     p.add_argument("--max-pending", type=int, default=256, help="requests in flight per gateway before 429")
     p.add_argument("--worker-num-cpus", type=float, default=1.0, help="Ray CPUs per worker actor")
-    p.add_argument("--num-threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch threads per worker (default: 1 per disaggregated worker, each on its own core; a colocated "
+        "worker gets its share of the cores)",
+    )
     p.add_argument("--no-pin-cores", action="store_true", help="do not pin workers to separate cores")
     p.add_argument("--gateway-replicas", type=int, default=1)
     p.add_argument("--name", default="bucketserve", help="prefix of the cluster's Ray actor names")

@@ -138,6 +138,7 @@ def run_vllm(
     output_len: int,
     max_model_len: int,
     threads_bind: str = "auto",
+    dtype: str = "float32",
 ):
     """vLLM's offline LLM.generate in its own environment; returns (seconds, outputs) or raises."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -147,6 +148,7 @@ def run_vllm(
                 "prompts": prompts,
                 "output_len": output_len,
                 "max_model_len": max_model_len,
+                "dtype": dtype,
             },
             f,
         )
@@ -255,7 +257,13 @@ def run(args: argparse.Namespace) -> int:
     if Path(args.vllm_python).exists():
         try:
             v_s, v_out = run_vllm(
-                args.vllm_python, engine.loaded.path, prompts, args.output_len, 2048, args.vllm_threads_bind
+                args.vllm_python,
+                engine.loaded.path,
+                prompts,
+                args.output_len,
+                2048,
+                args.vllm_threads_bind,
+                engine.config.dtype,  # the same dtype on both systems
             )
             same = sum(a == b for a, b in zip(ours_out, v_out, strict=True))
             result["vllm"] = {

@@ -20,7 +20,12 @@ def main(path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=spec["model"], dtype="float32", seed=0, max_model_len=spec.get("max_model_len", 2048))
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec.get("dtype", "float32"),
+        seed=0,
+        max_model_len=spec.get("max_model_len", 2048),
+    )
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_len"], ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm the engine once, as our warm-up does

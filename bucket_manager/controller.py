@@ -35,6 +35,8 @@ class ControllerConfig:
     max_num_batched_tokens: int
     shape_config: ShapeBucketConfig
     monitor_name: str | None = None
+    # The cluster's Ray namespace, where the monitor lives (None: the controller's job namespace).
+    namespace: str | None = None
     policy: PriorityPolicy = field(default_factory=PriorityPolicy)
     theta: float = 0.5
     # Batches a prefill worker may hold (one running, one queued): the rest wait here, where priorities apply.
@@ -82,7 +84,7 @@ class Controller:
         self.handles = {w: h for pool in (prefill, decode) for w, (h, _) in pool.items()}
         if self.config.monitor_name is not None and self._monitor is None:
             with contextlib.suppress(ValueError):
-                self._monitor = ray.get_actor(self.config.monitor_name)
+                self._monitor = ray.get_actor(self.config.monitor_name, namespace=self.config.namespace)
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 

@@ -223,6 +223,7 @@ def launch_cluster(config: ClusterConfig) -> ClusterHandles:
             stream_kv_layers=config.stream_kv_layers,
             monitor_name=config.actor_name("monitor"),
             controller_name=controller_name,
+            namespace=ns,
             num_threads=config.worker_threads(),
             cpu_affinity=_cores(role, index, config),
         )
@@ -253,6 +254,7 @@ def controller_config(config: ClusterConfig, info: WorkerInfo) -> ControllerConf
         max_num_batched_tokens=info.max_num_batched_tokens,
         shape_config=info.shape_config,
         monitor_name=config.actor_name("monitor"),
+        namespace=config.namespace,
         policy=config.policy,
         max_batches_per_prefill_worker=config.max_batches_per_prefill_worker,
         scheduling=config.scheduling,

@@ -309,7 +309,7 @@ class PrefillWorker(EngineWorker):
 
     def _get_controller(self):
         if self._controller is None and self.config.controller_name is not None:
-            self._controller = lookup_actor(self.config.controller_name)
+            self._controller = lookup_actor(self.config.controller_name, self.config.namespace)
         return self._controller
 
     def _expire(self) -> None:

@@ -27,7 +27,12 @@ def cluster_config(mode: str, name: str, shape_policy: str = "auto", **kw) -> Cl
         ),
     )
     return ClusterConfig(
-        engine=engine, mode=mode, name=name, namespace="bucketserve-tests", worker_num_cpus=0.5, **kw
+        engine=engine,
+        mode=mode,
+        name=name,
+        namespace=kw.pop("namespace", "bucketserve-tests"),
+        worker_num_cpus=0.5,
+        **kw,
     )
 
 

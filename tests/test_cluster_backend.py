@@ -229,3 +229,22 @@ def test_kv_sent_after_the_batch_when_layer_streaming_is_off(ray_session, hf_ref
         assert sum(s.get("streamed_transfers", 0) for s in stats.values()) == 0
     finally:
         asyncio.run(backend.shutdown())
+
+
+def test_actors_find_each_other_in_the_clusters_namespace_not_the_drivers(ray_session):
+    # Under `serve run` the process that starts the cluster runs in another Ray namespace than the cluster's
+    # actors: workers must still reach the monitor and the controller, or /metrics has no worker series.
+    backend = RayClusterBackend(cluster_config("disaggregated", "t-ns", namespace="bucketserve-tests-other"))
+    try:
+        got = asyncio.run(collect(backend, make_request("ns-0", 20, 4)))
+        assert got.error is None and len(got.tokens) == 4
+        deadline = time.monotonic() + 10
+        while True:
+            summary = ray.get(backend.handles.monitor.summary.remote())
+            if set(summary["workers"]) == set(backend.handles.workers) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert set(summary["workers"]) == set(backend.handles.workers), summary["workers"]
+        assert_no_leaks(asyncio.run(wait_idle(backend)))
+    finally:
+        asyncio.run(backend.shutdown())

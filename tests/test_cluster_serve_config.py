@@ -87,7 +87,9 @@ def test_a_colocated_worker_uses_its_share_of_the_cores_unless_told():
     assert cluster_config_from_args(parse(["--mode", "colocated"])).worker_threads() == cores
     two = cluster_config_from_args(parse(["--mode", "colocated", "--colocated-workers", "2"]))
     assert two.worker_threads() == max(1, cores // 2)
-    assert cluster_config_from_args(parse(["--mode", "colocated", "--num-threads", "3"])).worker_threads() == 3
+    assert (
+        cluster_config_from_args(parse(["--mode", "colocated", "--num-threads", "3"])).worker_threads() == 3
+    )
     args = parse([])
     args.num_threads = 0
     with pytest.raises(ValueError, match="ClusterConfig.num_threads"):

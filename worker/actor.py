@@ -32,11 +32,13 @@ def pin_process(num_threads: int, cpu_affinity: tuple[int, ...]) -> None:
             os.sched_setaffinity(0, cores)
 
 
-def lookup_actor(name: str | None):
+def lookup_actor(name: str | None, namespace: str | None = None):
+    """A named actor of the cluster. Its namespace is given explicitly: inside an actor, Ray's default is the
+    namespace of the job that started the actor (``serve run``'s, say), not the cluster's."""
     if name is None:
         return None
     try:
-        return ray.get_actor(name)
+        return ray.get_actor(name, namespace=namespace)
     except ValueError:
         logger.warning("actor %r not found; not reporting to it", name)
         return None
@@ -60,7 +62,9 @@ class EngineWorker:
         self._closed = threading.Event()
         self._latency_ms: float | None = None
         self._integrity_error: str | None = None
-        self.heartbeat = Heartbeat(lookup_actor(config.monitor_name), self._stats, config.heartbeat_s)
+        self.heartbeat = Heartbeat(
+            lookup_actor(config.monitor_name, config.namespace), self._stats, config.heartbeat_s
+        )
 
     def _open_kv_transport(self) -> KVTransport:
         """The KV transport of a disaggregated role, over this worker's cache and allocator."""

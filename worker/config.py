@@ -20,6 +20,8 @@ class WorkerConfig:
     # Named actors this worker reports to (looked up in the worker's Ray namespace); None: no reporting.
     monitor_name: str | None = None
     controller_name: str | None = None
+    # The cluster's Ray namespace, where those actors live (None: the worker's job namespace).
+    namespace: str | None = None
     # torch intra-op threads; one per core the worker owns keeps prefill and decode from fighting.
     num_threads: int = 1
     # CPU cores to pin the worker process to (Linux); empty: no pinning.

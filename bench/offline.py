@@ -70,14 +70,18 @@ def run_ours(engine, prompts: list[list[int]], output_len: int) -> tuple[float, 
     return took, [r.output_token_ids for r in reqs]
 
 
-def run_hf_static(
-    path, prompts: list[list[int]], output_len: int, batch: int, pad_id: int, device="cpu", dtype="float32"
-):
+def load_hf(path, device="cpu", dtype="float32"):
+    """transformers' own model on the engine's device and dtype, so the systems compare on equal terms."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    # Same device and dtype as our engine, so the two are compared on equal terms.
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+
+
+def run_hf_static(model, prompts: list[list[int]], output_len: int, batch: int, pad_id: int):
+    import torch
+
+    device = model.device
     outs: list[list[int]] = []
     with torch.inference_mode():
         # One untimed call first, as our engine's warm-up is untimed: kernel selection and library handles
@@ -107,14 +111,11 @@ def run_hf_static(
     return time.perf_counter() - t0, outs
 
 
-def hf_exact(
-    path, prompts: list[list[int]], output_len: int, device="cpu", dtype="float32"
-) -> list[list[int]]:
+def hf_exact(model, prompts: list[list[int]], output_len: int) -> list[list[int]]:
     """Hugging Face generate on each prompt alone, greedy, ``output_len`` tokens: the outside reference."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    device = model.device
     outs = []
     with torch.inference_mode():
         for p in prompts:
@@ -228,24 +229,17 @@ def run(args: argparse.Namespace) -> int:
     result["ours"]["fraction_of_gemm_rate"] = round(flops / ours_s / rate, 3)
     label = f"ours ({engine.config.shape_policy}{', compiled' if engine.config.compile else ''})"
     table.append((label, f"{ours_s:.2f}", f"{total_out / ours_s:.1f}"))
+    hf = None
+    if args.check_exact or not args.skip_hf:
+        hf = load_hf(engine.loaded.path, engine.device.torch_device, engine.config.dtype)
     if args.check_exact:
-        ref = hf_exact(
-            engine.loaded.path, prompts, args.output_len, engine.device.torch_device, engine.config.dtype
-        )
+        ref = hf_exact(hf, prompts, args.output_len)
         result["hf_exact_identical_sequences"] = (
             f"{sum(a == b for a, b in zip(ours_out, ref, strict=True))}/{len(prompts)}"
         )
     if not args.skip_hf:
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        hf_s, hf_out = run_hf_static(
-            engine.loaded.path,
-            prompts,
-            args.output_len,
-            args.hf_batch_size,
-            pad,
-            device=engine.device.torch_device,
-            dtype=engine.config.dtype,
-        )
+        hf_s, hf_out = run_hf_static(hf, prompts, args.output_len, args.hf_batch_size, pad)
         same = sum(a == b for a, b in zip(ours_out, hf_out, strict=True))
         result["hf_static"] = {"seconds": round(hf_s, 3), "tok_per_s": round(total_out / hf_s, 1)}
         result["ratio_vs_hf_static"] = round(hf_s / ours_s, 2)

@@ -180,6 +180,23 @@ def time_decode(engine, batch: int, context: int, repeats: int) -> list[float]:
     return times
 
 
+def _row(step: str, times: list[float], bound_s: float, bound: str, **figures: float) -> dict:
+    """One step's report row: median and spread of its times, its bound, the ratio, and what it computed."""
+    med = statistics.median(times)
+    row = {
+        "step": step,
+        "measured_ms": med * 1e3,
+        "spread_ms": [min(times) * 1e3, max(times) * 1e3],
+        **figures,
+        "bound": bound,
+        "bound_ms": bound_s * 1e3,
+        "ratio": med / bound_s,
+    }
+    if "flops" in figures:
+        row["achieved_gflops"] = figures["flops"] / med / 1e9
+    return row
+
+
 def run(args: argparse.Namespace) -> None:
     import torch
 
@@ -211,43 +228,24 @@ def run(args: argparse.Namespace) -> None:
     bw, rate = machine["bandwidth_Bps"], machine["gemm_flops"]
     rows = []
     for b, t in prefill:
-        times = time_prefill(engine, b, t, args.repeats)
         flops = shape.prefill_flops(b, t)
-        bound = flops / rate
-        med = statistics.median(times)
-        rows.append(
-            {
-                "step": f"prefill {b}x{t}",
-                "measured_ms": med * 1e3,
-                "spread_ms": [min(times) * 1e3, max(times) * 1e3],
-                "flops": flops,
-                "bound": "gemm",
-                "bound_ms": bound * 1e3,
-                "ratio": med / bound,
-                "achieved_gflops": flops / med / 1e9,
-            }
-        )
+        times = time_prefill(engine, b, t, args.repeats)
+        rows.append(_row(f"prefill {b}x{t}", times, flops / rate, "gemm", flops=flops))
     for b in batches:
-        times = time_decode(engine, b, args.context, args.repeats)
         flops, nbytes = shape.decode_flops(b, args.context), shape.decode_bytes(b, args.context)
         mem_s, gemm_s = nbytes / bw, flops / rate
-        bound = max(mem_s, gemm_s)
-        med = statistics.median(times)
-        rows.append(
-            {
-                "step": f"decode batch {b} @ {args.context}",
-                "measured_ms": med * 1e3,
-                "spread_ms": [min(times) * 1e3, max(times) * 1e3],
-                "flops": flops,
-                "bytes": nbytes,
-                "bound": "memory" if mem_s >= gemm_s else "gemm",
-                "memory_bound_ms": mem_s * 1e3,
-                "gemm_bound_ms": gemm_s * 1e3,
-                "bound_ms": bound * 1e3,
-                "ratio": med / bound,
-                "achieved_GBps": nbytes / med / 1e9,
-            }
+        times = time_decode(engine, b, args.context, args.repeats)
+        row = _row(
+            f"decode batch {b} @ {args.context}",
+            times,
+            max(mem_s, gemm_s),
+            "memory" if mem_s >= gemm_s else "gemm",
+            flops=flops,
+            bytes=nbytes,
+            memory_bound_ms=mem_s * 1e3,
+            gemm_bound_ms=gemm_s * 1e3,
         )
+        rows.append({**row, "achieved_GBps": nbytes / statistics.median(times) / 1e9})
     result = {
         "model": args.model,
         "dtype": str(dtype).removeprefix("torch."),

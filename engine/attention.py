@@ -42,16 +42,24 @@ class AttentionMetadata:
     on_layer_written: Callable[[int], None] | None = None
 
 
+def write_slots(
+    kv_data: torch.Tensor, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """Write token-major K/V ``[N, KVH, D]`` into the cache slots ``slot_mapping [N]`` of one layer.
+    kv_data: [L, 2, num_blocks + 1, S, KVH, D]."""
+    kvh, d = key.shape[1], key.shape[2]
+    kv_data[layer, 0].view(-1, kvh, d).index_copy_(0, slot_mapping, key)
+    kv_data[layer, 1].view(-1, kvh, d).index_copy_(0, slot_mapping, value)
+
+
 def _copy_kv(
     kv_data: torch.Tensor, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> None:
-    # kv_data: [L, 2, num_blocks + 1, S, KVH, D]; key/value: [B, KVH, Q, D] -> [B * Q, KVH, D] token-major,
-    # matching slot_mapping [B * Q].
+    # key/value: [B, KVH, Q, D] -> [B * Q, KVH, D] token-major, matching slot_mapping [B * Q].
     kvh, d = key.shape[1], key.shape[3]
     k = key.transpose(1, 2).reshape(-1, kvh, d)
     v = value.transpose(1, 2).reshape(-1, kvh, d)
-    kv_data[layer, 0].view(-1, kvh, d).index_copy_(0, slot_mapping, k)
-    kv_data[layer, 1].view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+    write_slots(kv_data, layer, slot_mapping, k, v)
 
 
 # Under torch.compile (``--compile``) the write is an opaque operator that mutates the cache in place. Traced as

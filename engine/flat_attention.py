@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
+from engine.attention import write_slots
 from engine.forward_context import current_context
 
 FLAT_ATTN_IMPLEMENTATION = "bucketserve_flat"
@@ -21,11 +22,9 @@ FLAT_ATTN_IMPLEMENTATION = "bucketserve_flat"
 def _write_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float):
     # query [T, H, D]; key/value [T, KVH, D]
     ctx = current_context()
-    kvh, d = key.shape[1], key.shape[2]
+    write_slots(ctx.kv_data, layer, ctx.slot_mapping, key, value)
     k_cache = ctx.kv_data[layer, 0]  # [NB + 1, BS, KVH, D]
     v_cache = ctx.kv_data[layer, 1]
-    k_cache.view(-1, kvh, d).index_copy_(0, ctx.slot_mapping, key)
-    v_cache.view(-1, kvh, d).index_copy_(0, ctx.slot_mapping, value)
     if ctx.on_layer_written is not None:
         ctx.on_layer_written(layer)
     out = torch.empty_like(query)  # [T, H, D]

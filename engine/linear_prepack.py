@@ -12,8 +12,10 @@ code still see it).
 
 from __future__ import annotations
 
+import itertools
 import logging
-from functools import partial
+import weakref
+from types import MethodType
 
 import torch
 
@@ -24,14 +26,17 @@ logger = logging.getLogger(__name__)
 PACK_HINT_M = 32
 
 
-# Packed weights by index. A compiled graph cannot take a packed (opaque-layout) tensor as a graph input, so
-# under torch.compile the GEMM is an opaque operator that finds its weight here by the index it is given.
-_PACKED: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []
+# Packed linear layers by index. A compiled graph cannot take a packed (opaque-layout) tensor as a graph input, so
+# under torch.compile the GEMM is an opaque operator that finds its layer here by the index it is given. Each
+# module owns its packed weight; the registry holds it weakly, so a model that goes away takes its copy along.
+_PACKED: dict[int, weakref.ref[torch.nn.Linear]] = {}
+_next_index = itertools.count()
 
 
 def _packed_matmul(x: torch.Tensor, index: int) -> torch.Tensor:
-    packed, bias, _ = _PACKED[index]
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # [M, K] -> [M, N]
+    module = _PACKED[index]()
+    assert module is not None, "a packed linear layer was used after its model was freed"
+    return torch.ops.mkldnn._linear_pointwise(x, module.packed_weight, module.bias, "none", [], "")  # [M, N]
 
 
 @torch.library.custom_op("bucketserve::packed_linear", mutates_args=())
@@ -41,15 +46,17 @@ def packed_linear_op(x: torch.Tensor, index: int) -> torch.Tensor:
 
 @packed_linear_op.register_fake
 def _packed_linear_fake(x: torch.Tensor, index: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], _PACKED[index][2])
+    module = _PACKED[index]()
+    assert module is not None
+    return x.new_empty(x.shape[0], module.out_features)
 
 
-def _packed_forward(index: int, out_features: int, x: torch.Tensor) -> torch.Tensor:
+def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # x [..., K] -> [..., N]
     flat = x.reshape(-1, x.shape[-1])  # [M, K]
     # Eager calls skip the operator's dispatch.
     fn = packed_linear_op if torch.compiler.is_compiling() else _packed_matmul
-    return fn(flat, index).view(*x.shape[:-1], out_features)
+    return fn(flat, self.packed_index).view(*x.shape[:-1], self.out_features)
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -67,9 +74,11 @@ def prepack_linears(model: torch.nn.Module) -> int:
         if type(module) is not torch.nn.Linear:
             continue
         w = module.weight.detach()  # [N, K]
-        bias = module.bias.detach() if module.bias is not None else None
-        _PACKED.append((torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_M), bias, module.out_features))
-        module.forward = partial(_packed_forward, len(_PACKED) - 1, module.out_features)
+        index = next(_next_index)
+        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_M)
+        module.packed_index = index
+        _PACKED[index] = weakref.ref(module, lambda _, i=index: _PACKED.pop(i, None))
+        module.forward = MethodType(_packed_forward, module)
         n += 1
     logger.info("prepacked %d linear layers for oneDNN", n)
     return n

@@ -220,6 +220,11 @@ def run(args: argparse.Namespace) -> None:
         )
     # The machine first, in a quiet process: after the engine's first steps its thread pool may still spin
     # (OpenMP waits actively for a while), which lowered the copy bandwidth read afterwards by a third.
+    from engine.config import fit_to_model
+    from engine.model_loader import read_model_facts
+
+    facts = read_model_facts(cfg.model)
+    cfg = fit_to_model(cfg, facts.max_position_embeddings, facts.dtype)  # "auto" -> the checkpoint's dtype
     machine = measure_machine(getattr(torch, cfg.dtype), max(7, args.repeats))
     engine = LLMEngine(cfg)
     model = engine.loaded.model

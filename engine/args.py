@@ -5,15 +5,33 @@ from __future__ import annotations
 
 import argparse
 
+from engine.config import (
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_PREFILL_SEQS,
+    DEFAULT_MAX_NUM_SEQS,
+)
+
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="default",
-        help="'default'/'tiny' or 'small' (built-in random-weight models), a local HF checkpoint folder, or an HF id",
+        help="a local Hugging Face checkpoint folder, an HF id already in the local HF cache, or a built-in "
+        "random-weight model for trying things out: default (= tiny), tiny, small (their text is meaningless)",
     )
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "hpu"])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda", "hpu"],
+        help="auto: HPU if habana_frameworks is present, else CUDA if available, else CPU",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and KV cache; auto: the checkpoint's own dtype (its config's torch_dtype)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for sampling when a request gives none")
 
 
@@ -22,27 +40,65 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
         "--block-size", type=int, default=None, help="KV block size (default 128 on HPU, 16 elsewhere)"
     )
     parser.add_argument(
-        "--max-model-len", type=int, default=None, help="longest prompt + output (default: model's, capped)"
+        "--max-model-len",
+        type=int,
+        default=None,
+        help=f"longest prompt + output in tokens (default: the model's max_position_embeddings, at most "
+        f"{DEFAULT_MAX_MODEL_LEN})",
     )
-    parser.add_argument("--max-num-seqs", type=int, default=None, help="largest decode batch")
-    parser.add_argument("--max-num-prefill-seqs", type=int, default=None, help="largest prefill batch")
     parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="most tokens in one prefill batch"
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help=f"largest decode batch (default: {DEFAULT_MAX_NUM_SEQS})",
+    )
+    parser.add_argument(
+        "--max-num-prefill-seqs",
+        type=int,
+        default=None,
+        help=f"largest prefill batch (default: {DEFAULT_MAX_NUM_PREFILL_SEQS})",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"most tokens in one step or prefill batch (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
     )
     parser.add_argument(
         "--num-blocks", type=int, default=None, help="KV blocks (default: sized from free memory)"
     )
     parser.add_argument(
-        "--gpu-memory-utilization", type=float, default=None, help="fraction of device memory to use"
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="fraction of the accelerator's memory a worker may use, weights and KV included (default: 0.9; "
+        "on CPU the KV cache is capped at 1 GiB instead)",
     )
     parser.add_argument(
         "--strategy", default="exponential", choices=["exponential", "linear"], help="shape buckets"
     )
     parser.add_argument(
-        "--prefix-caching", action="store_true", help="warm prompt buckets with prefix context"
+        "--enable-prefix-caching",
+        "--prefix-caching",
+        dest="prefix_caching",
+        action="store_true",
+        help="warm prompt shape buckets with prefix context (shape-bucket policy)",
     )
-    parser.add_argument("--skip-warmup", action="store_true", help="development only: no warm-up, no graphs")
-    parser.add_argument("--compile", action="store_true", help="CPU: torch.compile(dynamic=False) per bucket")
+
+
+def add_runtime_args(parser: argparse.ArgumentParser) -> None:
+    """How the engine runs its model (not what ``bucketserve buckets`` needs to print shapes)."""
+    parser.add_argument(
+        "--skip-warmup",
+        action="store_true",
+        help="development only: no warm-up and no compiled graphs (faster start, slower serving)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (flat policy: one graph dynamic in the token count, cached on disk; "
+        "buckets policy: one graph per warmed shape)",
+    )
     parser.add_argument(
         "--shape-policy",
         default="auto",
@@ -55,3 +111,4 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_model_args(parser)
     add_cache_args(parser)
+    add_runtime_args(parser)

@@ -12,6 +12,7 @@ DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_MAX_NUM_PREFILL_SEQS = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_BLOCK_SIZE = {"hpu": 128, "cuda": 16, "cpu": 16}
 # What a device runs by default: flat tokens with no padding (CPU, CUDA), or the 3-D shape buckets that HPU
 # graphs need. ``--shape-policy`` overrides, so the bucket path runs on CPU in CI too.
@@ -94,7 +95,8 @@ class BucketingConfig:
 class EngineConfig:
     model: str = "default"
     device: str = "auto"
-    dtype: str = "float32"
+    # "auto": the checkpoint's own dtype (float32 when its config names none), resolved at start-up.
+    dtype: str = "auto"
     seed: int = 0
     skip_warmup: bool = False
     # CPU only: torch.compile(dynamic=False) per warmed bucket.
@@ -109,8 +111,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda", "hpu"):
             raise ConfigError(f"EngineConfig.device must be auto, cpu, cuda or hpu, got {self.device!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"EngineConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ConfigError(
+                f"EngineConfig.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
         if not self.model:
             raise ConfigError("EngineConfig.model must not be empty")
         if self.shape_policy not in ("auto", *SHAPE_POLICIES):
@@ -129,7 +133,7 @@ def config_from_args(args) -> EngineConfig:
     return EngineConfig(
         model=g("model", "default"),
         device=g("device", "auto"),
-        dtype=g("dtype", "float32"),
+        dtype=g("dtype", "auto"),
         seed=g("seed", 0),
         skip_warmup=bool(g("skip_warmup", False)),
         compile=bool(g("compile", False)),
@@ -155,11 +159,9 @@ def config_from_args(args) -> EngineConfig:
     )
 
 
-def resolve_engine_config(cfg: EngineConfig, device_name: str, model_max_len: int) -> EngineConfig:
-    """Fill the device- and model-dependent defaults (block size, max_model_len) once, at start-up."""
-    cache = cfg.cache
-    if cache.block_size is None:
-        cache = replace(cache, block_size=DEFAULT_BLOCK_SIZE[device_name])
+def fit_to_model(cfg: EngineConfig, model_max_len: int, checkpoint_dtype: str) -> EngineConfig:
+    """Check the config against the model's own limits and take its dtype for "auto". Needs only the
+    checkpoint's config file, so a command line can run it before anything starts."""
     sched = cfg.scheduler
     if sched.max_model_len is None:
         sched = replace(sched, max_model_len=min(DEFAULT_MAX_MODEL_LEN, model_max_len))
@@ -168,5 +170,19 @@ def resolve_engine_config(cfg: EngineConfig, device_name: str, model_max_len: in
             f"SchedulerConfig.max_model_len ({sched.max_model_len}) exceeds the model's "
             f"max_position_embeddings ({model_max_len})"
         )
+    dtype = checkpoint_dtype if cfg.dtype == "auto" else cfg.dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"EngineConfig.dtype: the checkpoint's dtype {dtype!r} is not one of {DTYPES}")
+    return replace(cfg, dtype=dtype, scheduler=sched)
+
+
+def resolve_engine_config(
+    cfg: EngineConfig, device_name: str, model_max_len: int, checkpoint_dtype: str = "float32"
+) -> EngineConfig:
+    """Fill the device- and model-dependent defaults (block size, max_model_len, dtype) once, at start-up."""
+    cfg = fit_to_model(cfg, model_max_len, checkpoint_dtype)
+    cache = cfg.cache
+    if cache.block_size is None:
+        cache = replace(cache, block_size=DEFAULT_BLOCK_SIZE[device_name])
     policy = DEFAULT_SHAPE_POLICY[device_name] if cfg.shape_policy == "auto" else cfg.shape_policy
-    return replace(cfg, device=device_name, cache=cache, scheduler=sched, shape_policy=policy)
+    return replace(cfg, device=device_name, cache=cache, shape_policy=policy)

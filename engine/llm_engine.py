@@ -25,7 +25,7 @@ from engine.flat_runner import FlatRunner
 from engine.kv_cache import KVCache
 from engine.linear_prepack import can_prepack, prepack_linears
 from engine.memory import plan_kv_memory
-from engine.model_loader import load_model
+from engine.model_loader import load_model, read_model_facts
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from engine.sampler import Sampler
@@ -51,10 +51,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         torch.manual_seed(config.seed)
         self.device = get_device(config.device)
-        self.loaded = load_model(config.model, self.device.torch_device, config.dtype)
+        facts = read_model_facts(config.model)
         self.config = cfg = resolve_engine_config(
-            config, self.device.name, self.loaded.max_position_embeddings
+            config, self.device.name, facts.max_position_embeddings, facts.dtype
         )
+        self.loaded = load_model(cfg.model, self.device.torch_device, cfg.dtype)
         self.tokenizer = self.loaded.tokenizer
         model_dtype = next(self.loaded.model.parameters()).dtype
         if can_prepack(self.device.torch_device, model_dtype):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -49,6 +50,42 @@ def resolve_model_path(model: str) -> Path:
         ) from None
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a checkpoint's config file says, read without loading any weight (a second at most)."""
+
+    path: Path
+    architecture: str
+    max_position_embeddings: int
+    # The checkpoint's own dtype ("float32" when its config names none): what ``--dtype auto`` runs in.
+    dtype: str
+
+
+_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
+
+
+def read_model_facts(model: str) -> ModelFacts:
+    """Resolve ``model`` and read its limits from ``config.json``; errors name ``--model``."""
+    path = resolve_model_path(model)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelNotFoundError(f"--model {model}: cannot read {path / 'config.json'} ({e})") from None
+    archs = tuple(config.get("architectures") or ())
+    supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+    if not supported:
+        raise ModelNotFoundError(
+            f"--model {model}: architecture {archs or '(none)'} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
+        )
+    raw_dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    return ModelFacts(
+        path=path,
+        architecture=supported[0],
+        max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
+        dtype=_DTYPE_NAMES.get(raw_dtype, raw_dtype),
+    )
+
+
 def _looks_like_hf_id(model: str) -> bool:
     parts = model.split("/")
     return len(parts) == 2 and all(parts)
@@ -78,15 +115,13 @@ def load_tokenizer(model: str):
 
 
 def load_model(model: str, device: torch.device, dtype: str = "float32") -> LoadedModel:
+    """Load weights and tokenizer; ``dtype`` is concrete (``fit_to_model`` resolves "auto" first)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model_path(model)
+    facts = read_model_facts(model)
+    path = facts.path
     config = AutoConfig.from_pretrained(path)
-    archs = tuple(getattr(config, "architectures", None) or ())
-    if not set(archs) & set(SUPPORTED_ARCHITECTURES):
-        raise ModelNotFoundError(
-            f"--model {model}: architecture {archs or '(none)'} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
-        )
+    archs = (facts.architecture,)
     hf_model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch_dtype(dtype), attn_implementation=ATTN_IMPLEMENTATION
     ).to(device)
@@ -109,7 +144,7 @@ def load_model(model: str, device: torch.device, dtype: str = "float32") -> Load
             "head_dim": head_dim,
             "dtype": dtype,
         },
-        max_position_embeddings=int(getattr(config, "max_position_embeddings", 2048)),
+        max_position_embeddings=facts.max_position_embeddings,
         eos_token_ids=eos_ids,
     )
     logger.info("loaded %s (%s, %.1fM parameters) from %s", model, archs[0], loaded.num_params / 1e6, path)

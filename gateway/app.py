@@ -318,12 +318,25 @@ def create_app(
 # --------------------------------------------------------------------------- Ray Serve
 
 
+# Routes that dashboards, probes and scrapers poll every few seconds: their access log lines drown the rest.
+POLLED_ROUTES = frozenset({"/health", "/metrics", "/dashboard/data"})
+
+
+def _drop_polling_access_log(record: logging.LogRecord) -> bool:
+    return not (
+        getattr(record, "serve_access_log", False) and getattr(record, "route", None) in POLLED_ROUTES
+    )
+
+
 @serve.ingress()
 class GatewayDeployment:
     """Ray Serve ingress: each replica builds (or connects to) its backend, then its app."""
 
     def __init__(self, settings: GatewaySettings) -> None:
         self._settings = settings
+        if not settings.log_polling:
+            # Serve's access log goes through its "ray.serve" logger, one record per request.
+            logging.getLogger("ray.serve").addFilter(_drop_polling_access_log)
         self._backend = settings.build_backend()
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -72,6 +72,9 @@ class ClusterConfig:
     served_model_name: str | None = None
     # Actors outlive the process that started them (``serve run`` on an existing cluster).
     detached: bool = False
+    # Leave out Ray's own start-up notices in this process and the workers' progress bars (model loading,
+    # warm-up), which Ray relays late and out of order; the launcher logs one line per warmed worker instead.
+    quiet: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -173,6 +176,7 @@ def ensure_ray(config: ClusterConfig) -> None:
         "namespace": config.namespace,
         "include_dashboard": False,
         "log_to_driver": True,
+        "logging_level": logging.WARNING if config.quiet else logging.INFO,
     }
     if config.ray_address is not None:
         ray.init(address=config.ray_address, **kwargs)
@@ -193,6 +197,10 @@ def _cores(role: str, index: int, config: ClusterConfig) -> tuple[int, ...]:
         return ((n - 1 - index) % n,)
     return ()
 
+
+# tqdm (transformers' loading bars, the engine's warm-up bar) reads TQDM_DISABLE when it is imported, so it is
+# set in the actor's environment before its process starts.
+_QUIET_ENV = {"env_vars": {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}}
 
 _CLASSES = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker}
 
@@ -229,16 +237,39 @@ def launch_cluster(config: ClusterConfig) -> ClusterHandles:
         )
         handle = (
             ray.remote(_CLASSES[role])
-            .options(name=name, namespace=ns, num_cpus=config.worker_num_cpus, max_concurrency=64, **life)
+            .options(
+                name=name,
+                namespace=ns,
+                num_cpus=config.worker_num_cpus,
+                max_concurrency=64,
+                runtime_env=_QUIET_ENV if config.quiet else None,
+                **life,
+            )
             .remote(wcfg)
         )
         workers[name] = WorkerActor(role, handle)
-    refs = {name: w.handle.info.remote() for name, w in workers.items()}
+    refs = {w.handle.info.remote(): name for name, w in workers.items()}
     infos: dict[str, WorkerInfo] = {}
-    for name, ref in refs.items():
-        info: WorkerInfo = ray.get(ref, timeout=config.startup_timeout_s)
+    pending = list(refs)
+    deadline = time.monotonic() + config.startup_timeout_s
+    while pending:  # in the order they finish, so the log reads as progress
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            raise TimeoutError(
+                f"workers {sorted(refs[r] for r in pending)} not warmed after {config.startup_timeout_s:.0f}s"
+            )
+        name = refs[done[0]]
+        info: WorkerInfo = ray.get(done[0])
         infos[name] = info
-        logger.info("%s up and warmed in %.1fs (%d KV blocks)", name, info.startup_s, info.kv_blocks_total)
+        logger.info(
+            "[%d/%d] %s warmed in %.1fs (%d KV blocks)",
+            len(infos),
+            len(refs),
+            name,
+            info.startup_s,
+            info.kv_blocks_total,
+        )
+    infos = {name: infos[name] for name in workers}  # launch order
     handles = ClusterHandles(config, monitor, None, workers, infos, True)
     if config.mode == "disaggregated":
         handles.controller = _launch_controller(handles, life)

@@ -29,6 +29,8 @@ class GatewaySettings:
     # Largest `logprobs` a completion request may ask for (as in OpenAI's API).
     max_logprobs: int = 20
     dashboard_refresh_ms: int = 2000
+    # Access-log the routes that are polled (health probes, metric scrapes, the dashboard's refresh) too.
+    log_polling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("default_slo_ttft_ms", "default_slo_tpot_ms"):

@@ -1,56 +1,138 @@
-"""``bucketserve serve`` configuration: every flag has a config-file key; unknown keys are errors naming the key."""
+"""``bucketserve serve`` configuration: the config file is read through the flags' own parser (types, choices,
+aliases), flags given on the command line win, and every error is one line naming the flag or the key."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 import yaml
 
-from gateway.commands.serve import add_serve_args, apply_config_file, cluster_config_from_args, config_keys
+from gateway.commands.serve import (
+    _NOT_CONFIG,
+    _serve_parser,
+    checked_cluster_config,
+    cluster_config_from_args,
+    config_values,
+    resolve_settings,
+)
+from gateway.flags import FlagError
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_serve_args(p)
-    return p.parse_args(argv)
+    return _serve_parser().parse_args(argv)
 
 
-def test_every_flag_has_a_config_key(tmp_path):
-    p = argparse.ArgumentParser()
-    add_serve_args(p)
-    dests = {a.dest for a in p._actions} - {"help", "config"}
-    assert config_keys({d: None for d in dests}, "x").keys() == dests
+def settings(argv: list[str]) -> argparse.Namespace:
+    """As ``bucketserve serve ARGV`` resolves them: defaults < --config file < flags given."""
+    return resolve_settings(parse(argv), argv)
+
+
+def config_file(tmp_path: Path, data: dict | str) -> str:
+    f = tmp_path / "c.yaml"
+    f.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return str(f)
+
+
+def test_every_flag_has_a_config_key():
+    p = _serve_parser()
+    dests = {a.dest for a in p._actions if a.option_strings} - {"help"} - _NOT_CONFIG
+    defaults = vars(p.parse_args([]))
+    # Each key parses, with its default value, through the flag's own type.
+    values = config_values({d: defaults[d] for d in dests if defaults[d] is not None}, "x")
+    assert set(values) <= dests
+    assert {d for d in dests if defaults[d] is not None} == set(values)
 
 
 def test_config_file_fills_defaults_and_flags_win(tmp_path):
-    f = tmp_path / "c.yaml"
-    f.write_text(yaml.safe_dump({"mode": "colocated", "decode-workers": 3, "port": 9000, "model": "tiny"}))
-    args = apply_config_file(parse(["--config", str(f), "--port", "9100"]))
+    f = config_file(tmp_path, {"mode": "colocated", "decode-workers": 3, "port": 9000, "model": "tiny"})
+    args = settings(["--config", f, "--port", "9100"])
     assert (args.mode, args.decode_workers, args.port, args.model) == ("colocated", 3, 9100, "tiny")
     cfg = cluster_config_from_args(args)
     assert cfg.mode == "colocated" and cfg.decode_workers == 3 and cfg.engine.model == "tiny"
 
 
-def test_kv_layer_streaming_is_on_unless_turned_off(tmp_path):
+def test_a_flag_given_explicitly_wins_even_when_it_equals_its_default(tmp_path):
+    f = config_file(tmp_path, {"port": 18600, "prefill_workers": 2})
+    args = settings(["--port", "8000", "--prefill-workers", "1", "--config", f])
+    assert (args.port, args.prefill_workers) == (8000, 1)
+    assert (settings(["--config", f]).port, settings(["--config", f]).prefill_workers) == (18600, 2)
+
+
+def test_the_model_may_be_positional_as_in_vllm(tmp_path):
+    assert settings(["tiny"]).model == "tiny"
+    assert settings(["tiny", "--model", "tiny"]).model == "tiny"
+    with pytest.raises(FlagError, match="given twice"):
+        settings(["tiny", "--model", "small"])
+    f = config_file(tmp_path, {"model": "small"})
+    assert settings(["--config", f, "tiny"]).model == "tiny"  # the command line wins
+
+
+def test_config_values_go_through_the_flags_types_and_choices(tmp_path):
+    cases = {
+        "port: abc": "port: invalid port: 'abc'",
+        "port: 0": "port: invalid port: 0",
+        "mode: foo": "mode: invalid choice: 'foo'",
+        "prefill_workers: 1.5": "prefill_workers: invalid int value: '1.5'",
+        "no_pin_cores: maybe": "no_pin_cores: expected true or false",
+        "max_model_len: [1, 2]": "max_model_len: expected a single value",
+    }
+    for text, message in cases.items():
+        f = config_file(tmp_path, text + "\n")
+        with pytest.raises(FlagError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+            settings(["--config", f])
+        assert str(e.value).startswith(f), str(e.value)
+
+
+def test_aliases_and_switches_as_config_keys(tmp_path):
+    f = config_file(tmp_path, {"enable-prefix-caching": True, "no-kv-stream-layers": True, "dtype": "auto"})
+    args = settings(["--config", f])
+    assert args.prefix_caching is True and args.no_kv_stream_layers is True
+    assert cluster_config_from_args(args).stream_kv_layers is False
     assert cluster_config_from_args(parse([])).stream_kv_layers is True
-    f = tmp_path / "c.yaml"
-    f.write_text(yaml.safe_dump({"no-kv-stream-layers": True}))
-    assert cluster_config_from_args(apply_config_file(parse(["--config", str(f)]))).stream_kv_layers is False
+    assert (
+        settings(["--prefix-caching"]).prefix_caching is settings(["--enable-prefix-caching"]).prefix_caching
+    )
 
 
-def test_unknown_config_key_is_named(tmp_path):
-    f = tmp_path / "c.yaml"
-    f.write_text(yaml.safe_dump({"prefill_wrokers": 2}))
-    with pytest.raises(ValueError, match="prefill_wrokers"):
-        apply_config_file(parse(["--config", str(f)]))
+def test_unknown_config_key_is_named_with_a_suggestion(tmp_path):
+    f = config_file(tmp_path, {"prefil_workers": 2})
+    with pytest.raises(FlagError, match="unknown key 'prefil_workers'; did you mean 'prefill_workers'"):
+        settings(["--config", f])
 
 
-def test_bad_values_name_the_field():
-    args = parse(["--mode", "colocated"])
-    args.prefill_workers = 0
-    with pytest.raises(ValueError, match="ClusterConfig.prefill_workers"):
-        cluster_config_from_args(args)
+def test_yaml_syntax_error_is_one_line_with_its_place(tmp_path):
+    f = config_file(tmp_path, "port: 9000\nmode colocated\nfoo: : bar\n")
+    with pytest.raises(FlagError, match=r"c\.yaml line \d+, column \d+: ") as e:
+        settings(["--config", f])
+    assert "\n" not in str(e.value)
+
+
+def test_bad_values_name_the_flag_not_the_config_field():
+    for argv, flag in (
+        (["--mode", "colocated", "--colocated-workers", "0"], "--colocated-workers"),
+        (["--prefill-workers", "0"], "--prefill-workers"),
+        (["--max-model-len", "0"], "--max-model-len"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+    ):
+        with pytest.raises(FlagError, match=flag) as e:
+            checked_cluster_config(settings(argv))
+        assert "Config." not in str(e.value), str(e.value)
+
+
+def test_the_model_is_read_up_front():
+    with pytest.raises(FlagError, match="--model /no/such/dir: no such folder"):
+        checked_cluster_config(settings(["--model", "/no/such/dir"]))
+    with pytest.raises(
+        FlagError, match=r"--max-model-len \(100000\) exceeds the model's max_position_embeddings"
+    ):
+        checked_cluster_config(settings(["--model", "tiny", "--max-model-len", "100000"]))
+    config, facts = checked_cluster_config(settings(["--model", "tiny"]))
+    # --dtype auto takes the checkpoint's dtype; the length cap comes from the model.
+    assert config.engine.dtype == facts.dtype == "float32"
+    assert config.engine.scheduler.max_model_len == min(2048, facts.max_position_embeddings)
 
 
 @pytest.mark.parametrize("name", ["local", "torch_dist"])
@@ -58,24 +140,19 @@ def test_serve_offers_only_transports_it_can_launch(name, tmp_path):
     # local needs both ends in one process, torch_dist ranks that workers are never given.
     with pytest.raises(SystemExit):
         parse(["--kv-transport", name])
-    f = tmp_path / "c.yaml"
-    f.write_text(yaml.safe_dump({"kv-transport": name}))
-    with pytest.raises(ValueError, match="ClusterConfig.kv_transport"):
-        cluster_config_from_args(apply_config_file(parse(["--config", str(f)])))
+    f = config_file(tmp_path, {"kv-transport": name})
+    with pytest.raises(FlagError, match="kv-transport: invalid choice"):
+        settings(["--config", f])
     assert cluster_config_from_args(parse(["--kv-transport", "shm"])).kv_transport == "shm"
 
 
 def test_deploy_serve_config_args_are_serve_keys_with_their_defaults_valid():
-    from pathlib import Path
-
     doc = yaml.safe_load((Path(__file__).parent.parent / "deploy" / "serve_config.yaml").read_text())
     (app,) = doc["applications"]
     assert app["import_path"] == "gateway.commands.serve:build_serve_app"
-    keys = config_keys(app["args"], "deploy/serve_config.yaml")  # raises on an unknown key
-    p = argparse.ArgumentParser()
-    add_serve_args(p)
-    p.set_defaults(**keys)
-    cfg = cluster_config_from_args(p.parse_args([]), detached=True)
+    p = _serve_parser()
+    p.set_defaults(**config_values(app["args"], "deploy/serve_config.yaml"))  # raises on a bad key or value
+    cfg, _ = checked_cluster_config(p.parse_args([]), detached=True)
     assert cfg.mode == app["args"]["mode"] and cfg.engine.model == app["args"]["model"]
 
 
@@ -92,5 +169,5 @@ def test_a_colocated_worker_uses_its_share_of_the_cores_unless_told():
     )
     args = parse([])
     args.num_threads = 0
-    with pytest.raises(ValueError, match="ClusterConfig.num_threads"):
-        cluster_config_from_args(args)
+    with pytest.raises(FlagError, match="--num-threads"):
+        checked_cluster_config(args)

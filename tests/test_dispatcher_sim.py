@@ -92,6 +92,9 @@ def served_config(scheduling: str, online_order: str) -> ControllerConfig:
         shape_config=shapes,
         eos_token_ids=(),
         model_path="",
+        device="cpu",
+        dtype="float32",
+        shape_policy="buckets",
     )
     cluster = ClusterConfig(
         prefill_workers=2,

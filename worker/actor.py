@@ -93,6 +93,9 @@ class EngineWorker:
             shape_config=e.buckets.config,
             eos_token_ids=tuple(e.eos_token_ids),
             model_path=str(e.loaded.path),
+            device=e.device.name,
+            dtype=e.config.dtype,
+            shape_policy=e.config.shape_policy,
         )
 
     def drain(self, consumer_id: str, timeout: float = 0.5, ack: int = -1) -> tuple[int, list[RequestOutput]]:

@@ -32,6 +32,9 @@ class WorkerInfo:
     shape_config: ShapeBucketConfig
     eos_token_ids: tuple[int, ...]
     model_path: str
+    device: str  # "cpu", "cuda" or "hpu"
+    dtype: str  # of weights and KV cache
+    shape_policy: str  # "flat" or "buckets"
     # Decode workers: where their KV receiver listens (prefill workers send there); None for other roles.
     address: str | None = None
 

@@ -24,9 +24,26 @@ from bucket_manager.shape_buckets import (
 )
 from engine.args import add_cache_args
 
+EXAMPLES = """examples:
+  bucketserve buckets                                   # the defaults (max model len 2048, block 16)
+  bucketserve buckets --model /path/to/checkpoint        # max model len from that model (capped at 2048)
+  bucketserve buckets --block-size 128 --max-num-seqs 64 --json
+"""
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("buckets", help="print the shape buckets the engine would warm up")
+    parser = sub.add_parser(
+        "buckets",
+        help="print the shape buckets the engine would warm up",
+        description=__doc__.split("\n\n")[0],
+        epilog=EXAMPLES,
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="take --max-model-len's default from this model's config (as serve does); none: "
+        f"{DEFAULT_MAX_MODEL_LEN}",
+    )
     add_cache_args(parser)
     parser.add_argument(
         "--json", action="store_true", help="end with one JSON line of the prompt and decode buckets"
@@ -41,6 +58,23 @@ def _range_text(name: str, r: BucketRange | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        from engine.model_loader import ModelNotFoundError, read_model_facts
+
+        try:
+            model_len = read_model_facts(args.model).max_position_embeddings
+        except ModelNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if args.max_model_len is None:
+            args.max_model_len = min(DEFAULT_MAX_MODEL_LEN, model_len)
+        elif args.max_model_len > model_len:
+            print(
+                f"error: --max-model-len ({args.max_model_len}) exceeds the model's max_position_embeddings "
+                f"({model_len})",
+                file=sys.stderr,
+            )
+            return 2
     num_blocks = args.num_blocks
     if num_blocks is None:
         num_blocks = default_num_blocks(

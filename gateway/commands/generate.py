@@ -6,18 +6,28 @@ import argparse
 import json
 import sys
 
+EXAMPLES = """examples:
+  bucketserve generate --prompt "def main():" --max-tokens 16
+  bucketserve generate --model /path/to/checkpoint --prompt "Hello" --json
+"""
+
 
 def register(sub) -> None:
     from engine.args import add_engine_args
 
-    p = sub.add_parser("generate", help="generate a completion in-process (no Ray)")
+    p = sub.add_parser(
+        "generate",
+        help="generate a completion in-process (no Ray)",
+        description="Load the model in this process and complete one prompt (no Ray, no server).",
+        epilog=EXAMPLES,
+    )
     add_engine_args(p)
     p.add_argument("--prompt", required=True, help="prompt text")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this much probability")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     p.add_argument(
         "--json", action="store_true", help="print one JSON object: prompt_token_ids, token_ids, text"
     )
@@ -41,18 +51,33 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from engine.config import ConfigError
-    from engine.model_loader import ModelNotFoundError
+    from engine.args import add_engine_args
+    from engine.config import ConfigError, fit_to_model
+    from engine.model_loader import ModelNotFoundError, load_tokenizer, read_model_facts
+    from gateway.flags import in_flag_terms
 
+    # Everything that can be checked without loading weights is checked first: a mistake costs a second.
     try:
-        engine = LLMEngine(config_from_args(args))
+        facts = read_model_facts(args.model)
+        config = fit_to_model(config_from_args(args), facts.max_position_embeddings, facts.dtype)
     except (ModelNotFoundError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        flags = argparse.ArgumentParser()
+        add_engine_args(flags)
+        print(f"error: {in_flag_terms(flags, str(e))}", file=sys.stderr)
         return 2
-    ids = engine.tokenizer(args.prompt, add_special_tokens=True).input_ids
+    ids = load_tokenizer(config.model)(args.prompt, add_special_tokens=True).input_ids
     if not ids:
         print("error: the prompt is empty after tokenization", file=sys.stderr)
         return 2
+    limit = config.scheduler.max_model_len
+    if len(ids) + args.max_tokens > limit:
+        print(
+            f"error: --max-tokens {args.max_tokens}: the prompt's {len(ids)} tokens + {args.max_tokens} exceed "
+            f"--max-model-len {limit}",
+            file=sys.stderr,
+        )
+        return 2
+    engine = LLMEngine(config)
     req = Request("generate-0", ids, sampling)
     try:
         engine.generate([req])

@@ -8,7 +8,9 @@ import sys
 
 def register(sub) -> None:
     p = sub.add_parser("model-path", help="print the folder of the (built, if needed) model")
-    p.add_argument("--model", default="default")
+    p.add_argument(
+        "--model", default="default", help="a built-in name (default, tiny, small), a folder or an HF id"
+    )
     p.set_defaults(func=run)
 
 

@@ -21,20 +21,40 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 # Keys of the parser that are not serving settings (the CLI's own).
-_NOT_CONFIG = {"func", "command", "log_level", "config"}
+_NOT_CONFIG = {"func", "command", "log_level", "config", "command_argv"}
+
+
+EXAMPLES = """examples:
+  bucketserve serve                                  # built-in random model: meaningless text, for trying it out
+  bucketserve serve /models/Qwen2.5-0.5B-Instruct --max-model-len 4096
+  bucketserve serve --mode colocated --api-key "$KEY" --port 9000
+  bucketserve serve --config cluster.yaml --port 9001  # flags given here win over the file
+  bucketserve serve --address auto --prefill-workers 2  # join a running Ray cluster
+"""
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from engine.args import add_engine_args
+    from gateway.flags import port_number
     from kv_transfer.config import CLUSTER_TRANSPORTS
 
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model to serve, as --model (give one or the other)",
+    )
     add_engine_args(p)
-    p.add_argument("--config", default=None, help="YAML file whose keys are these flags' names")
+    p.add_argument(
+        "--config", default=None, help="YAML file whose keys are these flags' names; flags given here win"
+    )
     p.add_argument(
         "--mode",
         default="disaggregated",
         choices=["disaggregated", "colocated"],
-        help="colocated: each worker's one engine does prefill and decode",
+        help="disaggregated: prefill and decode workers hand KV over; colocated: each worker's one engine does "
+        "both",
     )
     p.add_argument(
         "--scheduling",
@@ -48,23 +68,34 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=["arrival", "deadline", "sjf"],
         help="buckets scheduling: order of online requests (sjf: shortest prompt first, oldest after 10 s)",
     )
-    p.add_argument("--prefill-workers", type=int, default=1)
-    p.add_argument("--decode-workers", type=int, default=1)
-    p.add_argument("--colocated-workers", type=int, default=1)
-    p.add_argument("--kv-transport", default="grpc", choices=list(CLUSTER_TRANSPORTS))
+    p.add_argument("--prefill-workers", type=int, default=1, help="disaggregated mode: prefill worker actors")
+    p.add_argument("--decode-workers", type=int, default=1, help="disaggregated mode: decode worker actors")
+    p.add_argument("--colocated-workers", type=int, default=1, help="colocated mode: worker actors")
+    p.add_argument(
+        "--kv-transport",
+        default="grpc",
+        choices=list(CLUSTER_TRANSPORTS),
+        help="how prefill workers send KV to decode workers (shm: same node only)",
+    )
     p.add_argument(
         "--no-kv-stream-layers",
         action="store_true",
         help="send each request's KV after its prefill batch instead of layer by layer during it",
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--address", default=None, help="Ray cluster address; none: start Ray in-process")
-    p.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1/*")
+    p.add_argument("--host", default="127.0.0.1", help="address the HTTP gateway listens on")
+    p.add_argument("--port", type=port_number, default=8000, help="port the HTTP gateway listens on")
+    p.add_argument(
+        "--address", default=None, help="join this Ray cluster ('auto': the local one); none: start Ray here"
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* and the dashboard's data",
+    )
     p.add_argument("--redis-url", default=None, help="monitor store in Redis (default: in memory)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     p.add_argument("--max-pending", type=int, default=256, help="requests in flight per gateway before 429")
-    p.add_argument("--worker-num-cpus", type=float, default=1.0, help="Ray CPUs per worker actor")
+    p.add_argument("--worker-num-cpus", type=float, default=1.0, help="Ray CPUs each worker actor asks for")
     p.add_argument(
         "--num-threads",
         type=int,
@@ -73,58 +104,79 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "worker gets its share of the cores)",
     )
     p.add_argument("--no-pin-cores", action="store_true", help="do not pin workers to separate cores")
-    p.add_argument("--gateway-replicas", type=int, default=1)
+    p.add_argument("--gateway-replicas", type=int, default=1, help="Ray Serve replicas of the HTTP gateway")
     p.add_argument("--name", default="bucketserve", help="prefix of the cluster's Ray actor names")
+    p.add_argument("--disable-log-requests", action="store_true", help="no access log line per HTTP request")
+    p.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="log level of the HTTP gateway's replicas (their access log is at info)",
+    )
 
 
 def register(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model on a Ray cluster behind an OpenAI-compatible API")
+    from gateway.flags import HelpFormatter
+
+    p = sub.add_parser(
+        "serve",
+        help="serve a model on a Ray cluster behind an OpenAI-compatible API",
+        description="Start the cluster (monitor, controller, workers) and the OpenAI-compatible HTTP gateway. "
+        "Every flag is checked before Ray starts.",
+        epilog=EXAMPLES,
+        formatter_class=HelpFormatter,
+    )
     add_serve_args(p)
     p.set_defaults(func=run)
 
 
 def _serve_parser() -> argparse.ArgumentParser:
+    """``serve``'s own arguments as a parser of their own (config files, ``serve run``), with the subcommand's
+    ``--log-level`` so that parsing the words after ``serve`` sees the same options as the command line."""
+    from gateway.flags import add_log_level
+
     parser = argparse.ArgumentParser(prog="bucketserve serve")
     add_serve_args(parser)
+    add_log_level(parser, top_level=False)
     return parser
 
 
-def config_keys(data: dict[str, Any], source: str) -> dict[str, Any]:
-    """Config-file keys (dashes or underscores) as flag destinations; an unknown key is an error."""
+def config_values(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """Config keys (flag names, dashes or underscores) parsed by the flags' own types and choices."""
+    from gateway.flags import values_from_mapping
+
+    return values_from_mapping(_serve_parser(), data, source, skip=_NOT_CONFIG)
+
+
+def resolve_settings(args: argparse.Namespace, argv: list[str] | None) -> argparse.Namespace:
+    """defaults < ``--config`` file < flags given on the command line (``argv``: what followed ``serve``).
+
+    Without ``argv`` (a programmatic call), every value that differs from its default counts as given.
+    """
+    from gateway.flags import FlagError, given_on_command_line, load_yaml_file
+
     parser = _serve_parser()
-    known = {a.dest for a in parser._actions} - _NOT_CONFIG - {"help"}
-    out = {}
-    for key, value in (data or {}).items():
-        dest = str(key).replace("-", "_")
-        if dest not in known:
-            raise ValueError(f"{source}: unknown key {key!r}; known keys: {sorted(known)}")
-        out[dest] = value
-    return out
+    defaults = vars(parser.parse_args([]))
+    if argv is None:
+        given = {k: v for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+    else:
+        given = given_on_command_line(parser, argv)
+    merged = dict(defaults)
+    config_path = given.get("config")
+    if config_path:
+        merged.update(config_values(load_yaml_file(config_path), config_path))
+    merged.update(given)
+    tag = merged.pop("model_tag", None)
+    if tag is not None:
+        if "model" in given and given["model"] != tag:
+            raise FlagError(f"the model is given twice ({tag!r} and --model {given['model']!r}): give one")
+        merged["model"] = tag
+    merged["model_tag"] = None
+    extra = {k: v for k, v in vars(args).items() if k not in merged}  # the CLI's own (func, log_level, ...)
+    return argparse.Namespace(**extra, **merged)
 
 
-def load_config_file(path: str) -> dict[str, Any]:
-    import yaml
-
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of flag names to values, got {type(data).__name__}")
-    return config_keys(data, path)
-
-
-def apply_config_file(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill from ``--config`` every setting the command line left at its default (flags win)."""
-    if not getattr(args, "config", None):
-        return args
-    defaults = vars(_serve_parser().parse_args([]))
-    merged = dict(vars(args))
-    for dest, value in load_config_file(args.config).items():
-        if merged.get(dest) == defaults.get(dest):
-            merged[dest] = value
-    return argparse.Namespace(**merged)
-
-
-def cluster_config_from_args(args: argparse.Namespace, detached: bool = False):
+def cluster_config_from_args(args: argparse.Namespace, detached: bool = False, quiet: bool = True):
     from bucket_manager.priority import PriorityPolicy
     from engine.config import config_from_args
     from gateway.cluster_launch import ClusterConfig
@@ -149,7 +201,31 @@ def cluster_config_from_args(args: argparse.Namespace, detached: bool = False):
         max_pending=args.max_pending,
         served_model_name=args.served_model_name,
         detached=detached,
+        quiet=quiet,
     )
+
+
+def checked_cluster_config(args: argparse.Namespace, detached: bool = False, quiet: bool = True):
+    """The cluster's config with every value checked, and the model's folder and limits read, before anything
+    starts: errors are one line naming the flag (:class:`gateway.flags.FlagError`)."""
+    from dataclasses import replace
+
+    from engine.config import fit_to_model
+    from engine.model_loader import ModelNotFoundError, read_model_facts
+    from gateway.flags import FlagError, in_flag_terms
+
+    parser = _serve_parser()
+    try:
+        config = cluster_config_from_args(args, detached=detached, quiet=quiet)
+        facts = read_model_facts(config.engine.model)
+        engine = fit_to_model(config.engine, facts.max_position_embeddings, facts.dtype)
+    except ModelNotFoundError as e:
+        raise FlagError(str(e)) from None
+    except ValueError as e:  # every config class raises ValueError naming its field
+        raise FlagError(in_flag_terms(parser, str(e))) from None
+    if args.gateway_replicas < 1:
+        raise FlagError(f"--gateway-replicas must be >= 1, got {args.gateway_replicas}")
+    return replace(config, engine=engine), facts
 
 
 def connect_backend(config):
@@ -159,79 +235,165 @@ def connect_backend(config):
     return RayClusterBackend(config, launch=False)
 
 
-def _settings(config, api_key: str | None):
+def _settings(config, args: argparse.Namespace):
     from gateway.settings import GatewaySettings
 
-    return GatewaySettings(backend_factory=functools.partial(connect_backend, config), api_key=api_key)
+    return GatewaySettings(
+        backend_factory=functools.partial(connect_backend, config), api_key=args.api_key or None
+    )
+
+
+def _gateway_app(config, args: argparse.Namespace):
+    import gateway.app
+
+    return gateway.app.build_app(
+        _settings(config, args),
+        num_replicas=args.gateway_replicas,
+        logging_config={
+            "log_level": args.uvicorn_log_level.upper(),
+            "enable_access_log": not args.disable_log_requests,
+        },
+    )
 
 
 def build_serve_app(cli_args: dict[str, Any]):
-    """Application builder for ``serve run``: ``cli_args`` holds the same keys as the config file."""
-    import gateway.app
+    """Application builder for ``serve run``: ``cli_args`` holds the same keys as the config file, read through
+    the same parser (types, choices, one-line errors)."""
     from gateway.cluster_launch import launch_cluster
 
     parser = _serve_parser()
-    parser.set_defaults(**config_keys(cli_args, "serve config args"))
+    parser.set_defaults(**config_values(cli_args, "serve config args"))
     args = parser.parse_args([])
-    config = cluster_config_from_args(args, detached=True)
+    config, _ = checked_cluster_config(args, detached=True)
     launch_cluster(config)
-    return gateway.app.build_app(_settings(config, args.api_key), num_replicas=args.gateway_replicas)
+    return _gateway_app(config, args)
+
+
+def _one_line(error: BaseException) -> str:
+    """The innermost cause of a start-up failure as one line (Ray wraps an actor's error in its own)."""
+    seen = set()
+    while id(error) not in seen:
+        seen.add(id(error))
+        inner = getattr(error, "cause", None) or error.__cause__
+        if not isinstance(inner, BaseException):
+            break
+        error = inner
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    text = lines[-1] if lines else ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _banner(handles, args: argparse.Namespace, ready_s: float) -> list[str]:
+    from gateway.flags import version
+
+    config, info = handles.config, handles.engine_info()
+    roles: dict[str, int] = {}
+    for role, _ in config.worker_ids():
+        roles[role] = roles.get(role, 0) + 1
+    workers = " + ".join(f"{n} {role}" for role, n in roles.items())
+    transfer = f", KV over {config.kv_transport}" if config.mode == "disaggregated" else ""
+    base = f"http://{args.host}:{args.port}"
+    return [
+        f"BucketServe {version()} ready in {ready_s:.1f}s",
+        f"  model       {config.model_name!r}  ({info.model_path})",
+        f"  engine      {info.device}, {info.dtype}, max model len {info.max_model_len}, "
+        f"{info.shape_policy} shapes, {info.kv_blocks_total} KV blocks of {info.block_size} per worker",
+        f"  workers     {workers} ({config.mode}{transfer})",
+        f"  OpenAI API  {base}/v1  (completions, chat/completions, models)",
+        f"  health      {base}/health",
+        f"  metrics     {base}/metrics",
+        f"  dashboard   {base}/dashboard",
+        "Ctrl-C to stop.",
+    ]
+
+
+def _quiet_ray_driver() -> None:
+    """Ray's and Serve's own INFO chatter in this process (they log at WARNING and above from here on)."""
+    for name in ("ray", "ray.serve"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # The token-authentication notice of a local cluster this process starts and owns.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
 
 
 def run(args: argparse.Namespace) -> int:
+    from gateway.flags import FlagError, check_port_free
+
+    debug = getattr(args, "log_level", "INFO") == "DEBUG"
+    t0 = time.perf_counter()
     try:
-        args = apply_config_file(args)
-    except (ValueError, OSError) as e:
+        args = resolve_settings(args, getattr(args, "command_argv", None))
+        config, facts = checked_cluster_config(args, quiet=not debug)
+        check_port_free(args.host, args.port)
+    except FlagError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import ray
+    # Ctrl-C during start-up interrupts it, also when the shell started this process with SIGINT ignored (a
+    # background job), which would otherwise make it deaf to SIGINT until it serves.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from ray import serve
 
-    from gateway.cluster_launch import ensure_ray, launch_cluster, stop_cluster
+    from gateway.cluster_launch import ensure_ray, launch_cluster
 
-    try:
-        config = cluster_config_from_args(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    t0 = time.perf_counter()
-    # Ctrl-C during start-up (minutes of warm-up) interrupts it, also when the shell started this process with
-    # SIGINT ignored (a background job), which would otherwise make it deaf to SIGINT until it serves.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if not debug:
+        _quiet_ray_driver()
+    handles = None
     try:
         ensure_ray(config)
         logger.info(
-            "loading %s and warming up %d worker(s)...", config.engine.model, len(config.worker_ids())
+            "loading %s (%s, %s) and warming up %d worker(s)...",
+            config.engine.model,
+            facts.architecture,
+            config.engine.dtype,
+            len(config.worker_ids()),
         )
         handles = launch_cluster(config)
+        serve.start(
+            http_options={"host": args.host, "port": args.port},
+            logging_config={"log_level": "DEBUG" if debug else "WARNING"},
+        )
+        serve.run(_gateway_app(config, args), name="bucketserve", route_prefix="/", blocking=False)
     except KeyboardInterrupt:
         print("interrupted during start-up", file=sys.stderr, flush=True)
-        ray.shutdown()
+        _shutdown(handles)
         return 130
-    import gateway.app
-
+    except Exception as e:
+        logger.debug("start-up failed", exc_info=True)
+        print(f"error: start-up failed: {_one_line(e)}", file=sys.stderr, flush=True)
+        if not debug:
+            print("  (--log-level DEBUG shows the full traceback)", file=sys.stderr, flush=True)
+        _shutdown(handles)
+        return 1
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        app = gateway.app.build_app(_settings(config, args.api_key), num_replicas=args.gateway_replicas)
-        serve.run(app, name="bucketserve", route_prefix="/", blocking=False)
-        base = f"http://{args.host}:{args.port}"
-        ready_s = time.perf_counter() - t0
-        print(f"BucketServe ({config.mode}) ready in {ready_s:.1f}s, model {config.model_name!r}", flush=True)
-        print(f"  OpenAI API  {base}/v1  (completions, chat/completions, models)", flush=True)
-        print(f"  health      {base}/health", flush=True)
-        print(f"  metrics     {base}/metrics", flush=True)
-        print(f"  dashboard   {base}/dashboard", flush=True)
-        print("Ctrl-C to stop.", flush=True)
+        for line in _banner(handles, args, time.perf_counter() - t0):
+            print(line, flush=True)
         while not stop.wait(1.0):
             pass
     finally:
-        logger.info("stopping...")
-        try:
-            serve.shutdown()
-        finally:
-            stop_cluster(handles)
-            ray.shutdown()
+        print("stopping...", flush=True)
+        _shutdown(handles)
+        print("stopped.", flush=True)
     return 0
+
+
+def _shutdown(handles) -> None:
+    """Gateway first (open streams end), then the cluster's actors, then Ray."""
+    import ray
+    from ray import serve
+
+    from gateway.cluster_launch import stop_cluster
+
+    try:
+        if ray.is_initialized():
+            # Deleting the app drains its replicas; serve.shutdown() would also kill Serve's controller
+            # while its own graceful-shutdown task runs, which Ray reports as a failed task.
+            serve.delete("bucketserve", _blocking=True)
+    except Exception as e:  # not deployed yet, or Ray already going down
+        logger.debug("serve delete: %s", e)
+    try:
+        if handles is not None:
+            stop_cluster(handles)
+    finally:
+        ray.shutdown()

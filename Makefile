@@ -8,14 +8,16 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-# torch is installed first and alone, pinned, so no other package can pull a CUDA build.
+# torch is installed first and alone, pinned, so no other package pulls another build. Which build pip finds
+# depends on its index: PyPI's Linux wheel is the CUDA one (several GB). On a CPU-only machine pass
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu to get the CPU build.
+TORCH_INDEX ?=
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,bench]'
 	$(BIN)/python -m engine.kernels.build
-	$(MAKE) --no-print-directory chromium
 	touch $(STAMP)
 
 # The dashboard test drives Debian's chromium; the package manager needs root, so others are told.
@@ -31,7 +33,7 @@ chromium:
 serve: install
 	$(BIN)/bucketserve serve $(ARGS)
 
-test: install
+test: install chromium
 	$(BIN)/pytest -q tests
 
 lint: install

@@ -59,6 +59,10 @@ from gateway.tokenization import Tokenizer, load_tokenizer
 logger = logging.getLogger(__name__)
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Ray CPUs a gateway replica asks for. It awaits the workers and streams (tokenizing is its only compute), as
+# Serve's own proxy does at 0 CPUs; asking for a whole CPU left it unschedulable on a node whose CPUs the engine
+# workers hold (2 workers x 1 CPU on a 2-CPU node).
+GATEWAY_NUM_CPUS = 0.0
 REQUEST_ID_HEADER = "x-request-id"
 
 
@@ -351,11 +355,17 @@ def build_app(settings: GatewaySettings, **deployment_options: Any) -> serve.App
     """The gateway as a Ray Serve application: ``serve.run(build_app(settings), route_prefix="/")``.
 
     ``deployment_options`` go to ``serve.deployment`` (``num_replicas``, ``ray_actor_options``, ...).
-    Streams are long-lived, so a replica takes many requests at once by default.
+    Streams are long-lived, so a replica takes many requests at once by default; a replica asks Ray for
+    ``GATEWAY_NUM_CPUS`` unless ``ray_actor_options`` says otherwise.
     """
     if settings.backend_factory is None:
         raise ValueError(
             "build_app needs GatewaySettings.backend_factory: each replica builds its backend with it"
         )
-    options = {"name": "gateway", "max_ongoing_requests": 1024, **deployment_options}
+    options = {
+        "name": "gateway",
+        "max_ongoing_requests": 1024,
+        "ray_actor_options": {"num_cpus": GATEWAY_NUM_CPUS},
+        **deployment_options,
+    }
     return serve.deployment(GatewayDeployment, **options).bind(settings)

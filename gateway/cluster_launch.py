@@ -186,6 +186,41 @@ def ensure_ray(config: ClusterConfig) -> None:
         ray.init(num_cpus=config.ray_num_cpus or max(os.cpu_count() or 1, needed), **kwargs)
 
 
+class ClusterTooSmall(RuntimeError):
+    """The Ray cluster can never hold the workers' CPUs: said at once instead of waiting for ever."""
+
+
+def _max_cluster_cpus() -> float | None:
+    """The most CPUs this Ray cluster can have: its autoscaler's limit where it has one, else what its nodes
+    have now; None when an autoscaler's config does not say."""
+    from ray._private.state import state  # Ray Train's check of its workers asks the same
+
+    try:
+        limits = state.get_max_resources_from_cluster_config()
+    except Exception as e:  # a Ray without it: judge by the nodes alone
+        logger.debug("no autoscaler limits: %s", e)
+        limits = None
+    now = float(ray.cluster_resources().get("CPU", 0.0))
+    if limits is None:
+        return now
+    if "CPU" not in limits:
+        return None
+    return max(now, float(limits["CPU"]))
+
+
+def check_cluster_cpus(config: ClusterConfig) -> None:
+    """Raise :class:`ClusterTooSmall` when the workers ask for more Ray CPUs than the cluster can ever have
+    (a worker that cannot be placed waits silently; under ``serve run`` so does the application)."""
+    need = len(config.worker_ids()) * config.worker_num_cpus
+    have = _max_cluster_cpus()
+    if have is not None and need > have + 1e-9:
+        raise ClusterTooSmall(
+            f"the {len(config.worker_ids())} workers need {need:g} Ray CPUs (worker_num_cpus "
+            f"{config.worker_num_cpus:g} each) but the Ray cluster has {have:g}: lower worker_num_cpus "
+            f"or give Ray more CPUs (ray start --num-cpus N, more nodes)"
+        )
+
+
 def _cores(role: str, index: int, config: ClusterConfig) -> tuple[int, ...]:
     """Prefill workers take cores from the front, decode workers from the back, so they never share one."""
     if not config.pin_cores:
@@ -208,6 +243,8 @@ _CLASSES = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": Coloc
 def launch_cluster(config: ClusterConfig) -> ClusterHandles:
     """Start monitor, workers and controller; return when every worker has loaded and warmed its model."""
     ensure_ray(config)
+    # Before any actor exists: a failed build under `serve run` is retried, and must fail the same way.
+    check_cluster_cpus(config)
     t0 = time.perf_counter()
     ns = config.namespace
     life = {"lifetime": "detached"} if config.detached else {}

@@ -1,0 +1,162 @@
+"""The documented Ray path: ``serve run deploy/serve_config.yaml`` against a ``ray start --head --num-cpus 2``.
+
+The head and ``serve run`` are the real command-line tools, each in its own process session (so stopping them
+stops only what this test started); the YAML is the repository's file with only its HTTP port changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from cluster_helpers import cluster_config
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.server_process import REPO_ROOT, ServerProcess, free_port, wait_healthy
+
+pytestmark = pytest.mark.slow
+
+BIN = Path(sys.executable).parent
+HEALTHY_TIMEOUT_S = 240.0
+
+
+def _tail(path: Path, n: int = 1500) -> str:
+    with contextlib.suppress(OSError):
+        return path.read_bytes()[-n:].decode(errors="replace")
+    return ""
+
+
+def _pythonpath() -> str:
+    paths = [str(REPO_ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    return os.pathsep.join(p for p in dict.fromkeys(paths) if p)
+
+
+def _serve_logs(ray_tmp: Path) -> str:
+    """The Serve controller's log: where a failed application build is told."""
+    logs = sorted((ray_tmp / "session_latest" / "logs" / "serve").glob("controller_*.log"))
+    return "\n".join(f"--- {p.name}\n{_tail(p)}" for p in logs)
+
+
+def _wait_for_line(server: ServerProcess, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in server.log_tail(100_000):
+        if not server.alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"no {text!r} from {server.log_path.name}: {server.log_tail()}")
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def ray_head(tmp_path: Path) -> Iterator[tuple[dict[str, str], Path]]:
+    """A 2-CPU Ray head on free ports in its own temp dir, as `ray start --head` starts it; yields the
+    environment that reaches it (its address, its token) and its temp dir."""
+    # Short: Ray's socket paths under its temp dir must fit in 107 bytes.
+    ray_tmp = Path(tempfile.mkdtemp(prefix="bsray-", dir="/tmp"))
+    env = {
+        # The cluster's processes import the code from this checkout, as every node must have it installed.
+        "PYTHONPATH": _pythonpath(),
+        # Ray 2.60 turns token auth on for `ray start` wherever ~/.ray/auth_token exists: one token of our own
+        # for the head and every client keeps the test independent of that file.
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    port = free_port()
+    ports = {
+        # Without the dashboard Ray still starts a dashboard process, on 8265 unless told.
+        "--dashboard-port": free_port(),
+        "--node-manager-port": free_port(),
+        "--object-manager-port": free_port(),
+        "--dashboard-agent-listen-port": free_port(),
+        "--dashboard-agent-grpc-port": free_port(),
+        "--runtime-env-agent-port": free_port(),
+        "--metrics-export-port": free_port(),
+        "--ray-client-server-port": free_port(),
+    }
+    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus", "2", "--port", str(port)]
+    cmd += ["--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", str(ray_tmp)]
+    # Worker processes on ports the OS picks: Ray's default range (10002-19999) is shared with other clusters.
+    cmd += ["--min-worker-port", "0", "--max-worker-port", "0"]
+    for flag, value in ports.items():
+        cmd += [flag, str(value)]
+    head = ServerProcess(cmd, env, tmp_path / "ray_head.log")
+    try:
+        _wait_for_line(head, "block forever", 120)
+        yield {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, ray_tmp
+    finally:
+        head.proc.terminate()  # `ray start --block` stops the processes it started on SIGTERM
+        head.stop(grace_s=30)  # and this whatever of its session is left
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _metrics(base: str) -> dict[str, list]:
+    text = httpx.get(base + "/metrics", timeout=10).text
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def test_serve_run_deploy_config_on_a_two_cpu_head(ray_head, tmp_path: Path):
+    env, ray_tmp = ray_head
+    doc = yaml.safe_load((REPO_ROOT / "deploy" / "serve_config.yaml").read_text())
+    http_port = free_port()
+    doc["http_options"]["port"] = http_port
+    config = tmp_path / "serve_config.yaml"
+    config.write_text(yaml.safe_dump(doc))
+
+    t0 = time.monotonic()
+    serve = ServerProcess([str(BIN / "serve"), "run", str(config)], env, tmp_path / "serve_run.log")
+    base = f"http://127.0.0.1:{http_port}"
+    try:
+        try:
+            wait_healthy(base, serve, HEALTHY_TIMEOUT_S)
+        except RuntimeError as e:
+            pytest.fail(f"serve run: {e}\n{_serve_logs(ray_tmp)}")
+        print(f"serve run healthy after {time.monotonic() - t0:.1f}s")
+
+        r = httpx.post(
+            base + "/v1/completions",
+            json={"model": "default", "prompt": "Hello there", "max_tokens": 6, "ignore_eos": True},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 6 and body["choices"][0]["finish_reason"] == "length"
+
+        # Workers report to the monitor (found in the cluster's namespace, not serve run's) on a heartbeat.
+        deadline = time.monotonic() + 30
+        while True:
+            families = _metrics(base)
+            up = {
+                (s.labels["role"], s.labels["worker_id"]): s.value
+                for s in families.get("bucketserve:worker_up", [])
+            }
+            kv = sum(s.value for s in families.get("bucketserve:kv_transfer_bytes", []))
+            want = {("prefill", "bucketserve:prefill-0"): 1.0, ("decode", "bucketserve:decode-0"): 1.0}
+            if up == want and kv > 0:
+                break
+            assert time.monotonic() < deadline, f"worker_up {up}, kv_transfer_bytes {kv}"
+            time.sleep(0.5)
+    finally:
+        # Ctrl-C: serve run deletes the application; the workers go with the head.
+        serve.stop(grace_s=20)
+
+
+def test_a_cluster_too_small_for_its_workers_fails_at_once(ray_session):
+    from gateway.cluster_launch import ClusterTooSmall, launch_cluster
+
+    have = ray_session.cluster_resources()["CPU"]
+    # Two workers of all the cluster's CPUs each.
+    config = dataclasses.replace(cluster_config("disaggregated", "toosmall"), worker_num_cpus=have)
+    with pytest.raises(ClusterTooSmall, match="worker_num_cpus"):
+        launch_cluster(config)
+    with pytest.raises(ValueError, match="toosmall:monitor"):  # nothing was started
+        ray_session.get_actor(config.actor_name("monitor"), namespace=config.namespace)

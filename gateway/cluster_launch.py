@@ -330,9 +330,16 @@ def controller_config(config: ClusterConfig, info: WorkerInfo) -> ControllerConf
 
 
 def _launch_controller(handles: ClusterHandles, life: dict[str, str]) -> ActorHandle[Controller]:
-    """Start the controller, give it the workers and their KV capacity, and tell each prefill worker its
-    decode peers."""
+    """Tell each prefill worker its decode peers, then start the controller and give it the workers and their KV
+    capacity. A gateway that finds the controller waits for that registration (``connect_cluster``)."""
     config, infos = handles.config, handles.infos
+    peers: dict[str, DecodePeer] = {}
+    for n, h in handles.by_role("decode").items():
+        address = infos[n].address
+        if address is None:
+            raise RuntimeError(f"decode worker {n} reported no KV address")
+        peers[n] = DecodePeer(h, address)
+    ray.get([h.set_decode_workers.remote(peers) for h in handles.by_role("prefill").values()])
     controller = (
         ray.remote(Controller)
         .options(
@@ -348,32 +355,44 @@ def _launch_controller(handles: ClusterHandles, life: dict[str, str]) -> ActorHa
     prefill = {n: (h, infos[n].kv_blocks_total) for n, h in handles.by_role("prefill").items()}
     decode = {n: (h, infos[n].kv_blocks_total) for n, h in handles.by_role("decode").items()}
     ray.get(controller.register_workers.remote(prefill, decode))
-    peers: dict[str, DecodePeer] = {}
-    for n, h in handles.by_role("decode").items():
-        address = infos[n].address
-        if address is None:
-            raise RuntimeError(f"decode worker {n} reported no KV address")
-        peers[n] = DecodePeer(h, address)
-    ray.get([h.set_decode_workers.remote(peers) for h in handles.by_role("prefill").values()])
     return controller
 
 
+def _wait_for_actor(name: str, namespace: str, deadline: float) -> ActorHandle:
+    """The named actor, waiting for it to be created (a gateway may start while the cluster launches)."""
+    while True:
+        try:
+            return ray.get_actor(name, namespace=namespace)
+        except ValueError:  # not created yet
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"actor {name!r} not found in Ray namespace {namespace!r}") from None
+            time.sleep(0.25)
+
+
 def connect_cluster(config: ClusterConfig) -> ClusterHandles:
-    """Find a running cluster's actors by name (every worker must be up)."""
+    """Find a cluster's actors by name, waiting (up to ``startup_timeout_s``) for a cluster still launching: its
+    workers to be created and warmed, then its controller, which starts after them."""
     ensure_ray(config)
     ns = config.namespace
-    monitor = ray.get_actor(config.actor_name("monitor"), namespace=ns)
-    controller = (
-        ray.get_actor(config.actor_name("controller"), namespace=ns)
-        if config.mode == "disaggregated"
-        else None
-    )
+    deadline = time.monotonic() + config.startup_timeout_s
+    monitor = _wait_for_actor(config.actor_name("monitor"), ns, deadline)
     workers = {
-        name: WorkerActor(role, ray.get_actor(name, namespace=ns)) for role, name in config.worker_ids()
+        name: WorkerActor(role, _wait_for_actor(name, ns, deadline)) for role, name in config.worker_ids()
     }
     infos: dict[str, WorkerInfo] = {
-        name: ray.get(w.handle.info.remote(), timeout=config.startup_timeout_s) for name, w in workers.items()
+        name: ray.get(w.handle.info.remote(), timeout=max(1.0, deadline - time.monotonic()))
+        for name, w in workers.items()
     }
+    controller = None
+    if config.mode == "disaggregated":
+        controller = _wait_for_actor(config.actor_name("controller"), ns, deadline)
+        # Created before the launcher registers the workers with it: wait for that too.
+        while not ray.get(controller.state.remote(), timeout=30)["prefill"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"controller {config.actor_name('controller')!r} has no workers registered"
+                )
+            time.sleep(0.1)
     return ClusterHandles(config, monitor, controller, workers, infos, False)
 
 

@@ -346,22 +346,36 @@ def run(args: argparse.Namespace) -> int:
             config.engine.dtype,
             len(config.worker_ids()),
         )
+        # Ray Serve and the gateway replica start while the workers load and warm up (the replica connects to
+        # the cluster and waits for it), so the two start-ups overlap instead of adding up.
+        gateway_failed: list[BaseException] = []
+
+        def start_gateway() -> None:
+            try:
+                serve.start(
+                    http_options={"host": args.host, "port": args.port},
+                    logging_config={"log_level": "DEBUG" if debug else "WARNING"},
+                )
+                serve.run(_gateway_app(config, args), name="bucketserve", route_prefix="/", blocking=False)
+            except BaseException as e:  # re-raised in the main thread
+                gateway_failed.append(e)
+
+        gateway = threading.Thread(target=start_gateway, name="gateway-start", daemon=True)
+        gateway.start()
         handles = launch_cluster(config)
-        serve.start(
-            http_options={"host": args.host, "port": args.port},
-            logging_config={"log_level": "DEBUG" if debug else "WARNING"},
-        )
-        serve.run(_gateway_app(config, args), name="bucketserve", route_prefix="/", blocking=False)
+        gateway.join()
+        if gateway_failed:
+            raise gateway_failed[0]
     except KeyboardInterrupt:
         print("interrupted during start-up", file=sys.stderr, flush=True)
-        _shutdown(handles)
+        _shutdown(handles, drain=False)
         return 130
     except Exception as e:
         logger.debug("start-up failed", exc_info=True)
         print(f"error: start-up failed: {_one_line(e)}", file=sys.stderr, flush=True)
         if not debug:
             print("  (--log-level DEBUG shows the full traceback)", file=sys.stderr, flush=True)
-        _shutdown(handles)
+        _shutdown(handles, drain=False)
         return 1
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -378,8 +392,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shutdown(handles) -> None:
-    """Gateway first (open streams end), then the cluster's actors, then Ray."""
+def _shutdown(handles, drain: bool = True) -> None:
+    """Gateway first (open streams end; ``drain=False``: do not wait for it, a replica may still be starting),
+    then the cluster's actors, then Ray."""
     import ray
     from ray import serve
 
@@ -389,7 +404,7 @@ def _shutdown(handles) -> None:
         if ray.is_initialized():
             # Deleting the app drains its replicas; serve.shutdown() would also kill Serve's controller
             # while its own graceful-shutdown task runs, which Ray reports as a failed task.
-            serve.delete("bucketserve", _blocking=True)
+            serve.delete("bucketserve", _blocking=drain)
     except Exception as e:  # not deployed yet, or Ray already going down
         logger.debug("serve delete: %s", e)
     try:

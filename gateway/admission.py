@@ -66,7 +66,9 @@ class Admission:
                         f"x-priority header must be 'online', 'offline' or an integer, got {header!r}",
                         param="x-priority",
                     ) from None
-        if body.priority is not None:
+        if isinstance(body.priority, int):  # vLLM's integer priority: smaller first
+            level = -body.priority
+        elif body.priority is not None:
             pclass = body.priority
         if body.priority_level is not None:
             level = body.priority_level

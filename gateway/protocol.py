@@ -14,7 +14,15 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 PriorityName = Literal["online", "offline"]
 
@@ -117,8 +125,9 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    # Extensions: scheduling class and urgency inside it.
-    priority: PriorityName | None = None
+    # Extensions: scheduling class and urgency inside it. An integer ``priority`` is vLLM's (smaller is handled
+    # first): it sets the urgency inside the online class, as ``priority_level`` (larger first) does.
+    priority: PriorityName | StrictInt | None = None
     priority_level: int | None = None
 
     @field_validator("n")

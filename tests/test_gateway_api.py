@@ -349,12 +349,15 @@ def test_priority_and_slo_reach_the_engine(client: httpx.Client, backend: LocalE
             headers={"x-priority": "7", "x-slo-ttft-ms": "250"},
         )
         client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "priority_level": 3})
+        # vLLM's integer priority (smaller is more urgent) is accepted as the level, negated.
+        client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "priority": 2})
     finally:
         del backend.engine.add_request
     defaults = GatewaySettings()
     assert seen == [
         ("offline", 7, 250.0, None),
         ("online", 3, defaults.default_slo_ttft_ms, defaults.default_slo_tpot_ms),
+        ("online", -2, defaults.default_slo_ttft_ms, defaults.default_slo_tpot_ms),
     ]
 
 

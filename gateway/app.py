@@ -22,7 +22,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HTTPRequest
@@ -107,17 +107,14 @@ class Gateway:
 
     # ---------------------------------------------------------------- checks
 
-    def check_auth(self, request: HTTPRequest, allow_query: bool = False) -> None:
+    def check_auth(self, request: HTTPRequest) -> None:
+        # The key travels only in the Authorization header: a key in a URL ends up in access logs and
+        # browser history (the dashboard page asks for it in a form and sends the header itself).
         key = self.settings.api_key
         if key is None:
             return
-        given = None
         auth = request.headers.get("authorization", "")
-        if auth[:7].lower() == "bearer ":
-            given = auth[7:].strip()
-        elif allow_query:
-            # The dashboard page is opened in a browser once with ?api_key=..., then sends the header.
-            given = request.query_params.get("api_key")
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else None
         if given is None or not hmac.compare_digest(given.encode(), key.encode()):
             raise APIError(
                 401,
@@ -300,16 +297,22 @@ def create_app(
     async def metrics() -> Response:
         return Response(await backend.metrics_text(), media_type=METRICS_CONTENT_TYPE)
 
+    @app.get("/")
+    async def root() -> RedirectResponse:
+        # A person who opens the server's address in a browser lands on the dashboard.
+        return RedirectResponse("/dashboard", status_code=307)
+
     @app.get("/dashboard")
-    async def dashboard(request: HTTPRequest) -> HTMLResponse:
-        gw.check_auth(request, allow_query=True)
+    async def dashboard() -> HTMLResponse:
+        # The page holds no data, so it is open: with an API key set it asks for the key in a form
+        # and sends it with each poll of /dashboard/data, which is guarded like /v1/*.
         from monitor.dashboard import page_html
 
         return HTMLResponse(page_html("/dashboard/data", settings.dashboard_refresh_ms))
 
     @app.get("/dashboard/data")
     async def dashboard_data(request: HTTPRequest, window_s: float = 900.0) -> JSONResponse:
-        gw.check_auth(request, allow_query=True)
+        gw.check_auth(request)
         if not math.isfinite(window_s) or window_s <= 0:
             raise APIError(400, f"window_s must be a positive number, got {window_s}", param="window_s")
         return JSONResponse(await backend.dashboard_data(window_s))

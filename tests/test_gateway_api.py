@@ -364,7 +364,7 @@ def test_priority_and_slo_reach_the_engine(client: httpx.Client, backend: LocalE
 # --------------------------------------------------------------------------- auth, admission
 
 
-def test_api_key_guards_v1_and_dashboard(backend: LocalEngineBackend) -> None:
+def test_api_key_guards_v1_and_dashboard_data(backend: LocalEngineBackend) -> None:
     app = create_app(backend, GatewaySettings(api_key=API_KEY))
     with serve_app(app) as u, httpx.Client(base_url=u, timeout=60) as c:
         body = {"prompt": "hi", "max_tokens": 2}
@@ -376,10 +376,18 @@ def test_api_key_guards_v1_and_dashboard(backend: LocalEngineBackend) -> None:
         assert c.post("/v1/completions", json=body, headers=good).status_code == 200
         assert c.get("/v1/models").status_code == 401
         assert c.get("/v1/models", headers=good).status_code == 200
-        assert c.get("/dashboard").status_code == 401
-        assert c.get("/dashboard/data").status_code == 401
-        assert c.get("/dashboard", params={"api_key": API_KEY}).status_code == 200
-        assert c.get("/dashboard/data", headers=good).status_code == 200
+        # The dashboard page holds no data and is open (it asks for the key); its data is guarded,
+        # by the header alone: a key in the query string (logs, history) is not taken.
+        page = c.get("/dashboard")
+        assert page.status_code == 200 and 'id="login-key"' in page.text
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = c.get("/dashboard/data", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert c.get("/dashboard/data", params={"api_key": API_KEY}).status_code == 401
+        data = c.get("/dashboard/data", headers=good)
+        assert data.status_code == 200 and data.json()["workers"][0]["worker_id"] == "local-0"
+        root = c.get("/", follow_redirects=False)
+        assert root.status_code == 307 and root.headers["location"] == "/dashboard"
         # Probes and scrapers stay open.
         assert c.get("/health").status_code == 200
         assert c.get("/metrics").status_code == 200
@@ -483,6 +491,9 @@ def test_models_health_metrics_and_dashboard(client: httpx.Client) -> None:
     d = client.get("/dashboard")
     assert d.status_code == 200 and d.headers["content-type"].startswith("text/html")
     assert "<script>" in d.text and "/dashboard/data" in d.text
+    root = client.get("/", follow_redirects=False)
+    assert root.status_code == 307 and root.headers["location"] == "/dashboard"
+    assert client.get("/", follow_redirects=True).text == d.text
     data = client.get("/dashboard/data", params={"window_s": 300}).json()
     assert data["workers"] and data["workers"][0]["worker_id"] == "local-0"
     assert data["window_totals"]["online"]["requests"] >= 1

@@ -1,8 +1,9 @@
 """The operator dashboard: one self-contained HTML page (CSS and JS inlined, no network).
 
 The gateway serves `page_html()` at `GET /dashboard` and `Monitor.dashboard_data(window_s)`
-as JSON at `GET /dashboard/data?window_s=...`. The page sends `Authorization: Bearer <key>`
-when opened once with `?api_key=<key>` (remembered in the browser's local storage).
+as JSON at `GET /dashboard/data?window_s=...`. When the data answers 401 (the server has an API
+key), the page shows a login form; the key typed there is kept in the tab's session storage and sent
+as `Authorization: Bearer <key>` with every poll.
 """
 
 from __future__ import annotations

@@ -189,15 +189,35 @@ function buildView(d) {
   return view;
 }
 
+// The API key (when the server has one) is typed into the login form and kept in this tab's session
+// storage only: never in the URL (logs, history) nor in a cookie. It is sent as a Bearer header.
+const KEY_STORAGE = "bucketserve_api_key";
+
 function apiKey() {
-  // The key comes from ?api_key=... once and is remembered for this browser.
-  const fromUrl = new URLSearchParams(window.location.search).get("api_key");
-  if (fromUrl) window.localStorage.setItem("bucketserve_api_key", fromUrl);
-  return fromUrl || window.localStorage.getItem("bucketserve_api_key");
+  return window.sessionStorage.getItem(KEY_STORAGE);
+}
+
+// Show or hide the login form; while it is shown the page does not poll.
+function showLogin(message) {
+  const form = document.getElementById("login");
+  form.hidden = false;
+  document.body.dataset.auth = "needed";
+  document.getElementById("login-error").textContent = message || "";
+  const status = document.getElementById("status");
+  status.textContent = "API key needed";
+  status.className = "down";
+  document.getElementById("login-key").focus();
+}
+
+function hideLogin() {
+  document.getElementById("login").hidden = true;
+  document.getElementById("login-error").textContent = "";
+  document.body.dataset.auth = "ok";
 }
 
 async function refresh() {
   const body = document.body;
+  if (body.dataset.auth === "needed") return;
   const windowS = document.getElementById("window-select").value;
   const headers = {};
   const key = apiKey();
@@ -205,8 +225,15 @@ async function refresh() {
   const status = document.getElementById("status");
   try {
     const resp = await fetch(`${body.dataset.url}?window_s=${encodeURIComponent(windowS)}`, { headers, cache: "no-store" });
+    if (resp.status === 401) {
+      // No key yet: ask for one. A key that was sent and refused is dropped, and the form says so.
+      window.sessionStorage.removeItem(KEY_STORAGE);
+      showLogin(key ? "The server did not accept this API key. Check it and try again." : "");
+      return;
+    }
     if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
     const data = await resp.json();
+    hideLogin();
     const view = buildView(data);
     for (const id of Object.keys(view)) {
       const el = document.getElementById(id);
@@ -221,9 +248,22 @@ async function refresh() {
   }
 }
 
+function login(event) {
+  event.preventDefault();
+  const input = document.getElementById("login-key");
+  const key = input.value.trim();
+  if (!key) return;
+  window.sessionStorage.setItem(KEY_STORAGE, key);
+  input.value = "";
+  document.body.dataset.auth = "trying";
+  document.getElementById("login-error").textContent = "checking…";
+  refresh();
+}
+
 function start() {
   const every = Number(document.body.dataset.refreshMs || 2000);
   document.getElementById("window-select").addEventListener("change", refresh);
+  document.getElementById("login").addEventListener("submit", login);
   refresh();
   window.setInterval(refresh, every);
 }

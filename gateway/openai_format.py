@@ -140,12 +140,13 @@ class OpenAIFormat:
         items = []
         for t, lp in zip(token_ids, logprobs, strict=False):
             text = self.tokenizer.token_text(t)
+            raw = list(self.tokenizer.token_bytes(t))
             items.append(
                 ChatTokenLogprob(
                     token=text,
                     logprob=lp,
-                    bytes=list(text.encode()),
-                    top_logprobs=[{"token": text, "logprob": lp, "bytes": list(text.encode())}],
+                    bytes=raw,
+                    top_logprobs=[{"token": text, "logprob": lp, "bytes": raw}],
                 )
             )
         return ChatLogprobs(content=items)

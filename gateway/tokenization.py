@@ -7,7 +7,31 @@ loaded from the checkpoint folder the backend names, the same files the workers 
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback tokens
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's scheme): every byte is written as one printable character; the
+    printable Latin-1 bytes stand for themselves, the others for characters from U+0100 on, in byte order."""
+    printable = {
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    }
+    alphabet, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            alphabet[chr(b)] = b
+        else:
+            alphabet[chr(256 + shifted)] = b
+            shifted += 1
+    return alphabet
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
 
 
 def load_tokenizer(path: str) -> Any:
@@ -20,6 +44,9 @@ class Tokenizer:
     def __init__(self, hf_tokenizer: Any) -> None:
         self.hf = hf_tokenizer
         self.vocab_size = len(hf_tokenizer)
+        decoder = getattr(getattr(hf_tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = type(decoder).__name__ == "ByteLevel"
+        self._special = set(getattr(hf_tokenizer, "all_special_ids", ()))
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf(text, add_special_tokens=True).input_ids)
@@ -30,6 +57,18 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """One token's own text, special tokens included (for logprobs)."""
         return self.hf.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's raw bytes (logprobs' ``bytes``): a byte-level token may hold part of a UTF-8 character,
+        which its decoded text would show as U+FFFD."""
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and token_id not in self._special:
+            m = _BYTE_TOKEN.fullmatch(piece)
+            if m:
+                return bytes([int(m.group(1), 16)])
+            if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
+                return bytes(_BYTE_LEVEL[c] for c in piece)
+        return self.token_text(token_id).encode()
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         if not getattr(self.hf, "chat_template", None):

@@ -250,3 +250,19 @@ def test_a_character_is_split_over_tokens(url: str, hf_tokenizer: Any) -> None:
                 split += chars
     assert split, "no case makes the model emit a character over several tokens: choose another prompt"
     assert all(len(ch.encode()) > 1 for ch in split), split
+
+
+@pytest.mark.parametrize("content", CHAT_CASES)
+def test_chat_logprob_bytes_are_the_tokens_raw_bytes(url: str, content: str) -> None:
+    """OpenAI's logprob ``bytes`` are each token's own bytes: together the UTF-8 of the answer, even where a
+    token holds only part of a character (its ``token`` text then shows U+FFFD)."""
+    body = {**chat_body(content), "logprobs": True}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    items = choice["logprobs"]["content"]
+    raw = b"".join(bytes(item["bytes"]) for item in items)
+    assert raw.decode("utf-8", errors="replace") == choice["message"]["content"]
+    partial = [item for item in items if REPLACEMENT in item["token"]]
+    assert partial, "no token held part of a character: the case does not exercise raw bytes"
+    assert all(bytes(item["bytes"]) != REPLACEMENT.encode() for item in partial)

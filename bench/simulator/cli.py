@@ -44,7 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--repeats", type=int, default=3, help="--calibrate: timed runs per shape")
     p.add_argument("--num-threads", type=int, default=1, help="--calibrate: torch threads (a worker's)")
-    p.add_argument("--device", default="cpu", help="--calibrate: the engine's device (cpu, cuda, hpu)")
+    p.add_argument(
+        "--device", default="cpu", choices=("cpu", "cuda", "hpu"), help="--calibrate: the engine's device"
+    )
     p.add_argument(
         "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="--calibrate: weights"
     )

@@ -1,5 +1,8 @@
-"""From an HTTP request's headers and parsed body to engine ``Request``\\ s: priority and SLOs, prompt tokens,
-the context-length check and the sampling parameters. Every refusal is a 400 naming the field."""
+"""From an HTTP request's headers and parsed body to engine ``Request``\\ s: priority and SLOs, the bounds on
+what one request may hold, prompt tokens, the context-length check and the sampling parameters. Every refusal
+is a 400 naming the field.
+
+The bounds are checked before any prompt is tokenized, and long text is tokenized off the event loop."""
 
 from __future__ import annotations
 
@@ -90,12 +93,62 @@ class Admission:
         elif body.top_logprobs and body.top_logprobs > limit:
             raise APIError(400, f"top_logprobs must be <= {limit}", param="top_logprobs")
 
-    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+    def check_bounds(self, body: Body, max_in_flight: int | None) -> None:
+        """What one request may hold (``GatewaySettings``' limits), before anything is tokenized.
+
+        ``max_in_flight`` is the most requests the backend admits at once: a batch of more prompts could never
+        be admitted, so it is a 400 rather than a 429 the client would retry for ever.
+        """
+        s = self.settings
+        stops = body.stop_list()
+        if len(stops) > s.max_stop_strings:
+            raise APIError(
+                400, f"stop: at most {s.max_stop_strings} stop strings, got {len(stops)}", param="stop"
+            )
+        longest = max((len(x) for x in stops), default=0)
+        if longest > s.max_stop_chars:
+            raise APIError(
+                400,
+                f"stop: a stop string may have at most {s.max_stop_chars} characters, got one of {longest}",
+                param="stop",
+            )
+        n_ids = len(body.stop_token_ids or ())
+        if n_ids > s.max_stop_token_ids:
+            raise APIError(
+                400,
+                f"stop_token_ids: at most {s.max_stop_token_ids} token ids, got {n_ids}",
+                param="stop_token_ids",
+            )
+        if isinstance(body, ChatCompletionRequest):
+            if len(body.messages) > s.max_messages:
+                raise APIError(
+                    400,
+                    f"messages: at most {s.max_messages} messages, got {len(body.messages)}",
+                    param="messages",
+                )
+            return
+        n = body.num_prompts()
+        if n > s.max_prompts:
+            raise APIError(
+                400, f"prompt: at most {s.max_prompts} prompts in one request, got {n}", param="prompt"
+            )
+        if max_in_flight is not None and n > max_in_flight:
+            raise APIError(
+                400,
+                f"prompt: the request holds {n} prompts but this server admits at most {max_in_flight} requests "
+                "at once, so it could never be admitted; send the prompts in smaller batches",
+                param="prompt",
+                code="batch_too_large",
+            )
+
+    async def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         """Each prompt's token ids: text is tokenized, ids are checked against the vocabulary."""
+        given = body.prompts()
+        encoded = iter(await self.tokenizer.encode_all([p for p in given if isinstance(p, str)]))
         prompts: list[list[int]] = []
-        for p in body.prompts():
+        for p in given:
             if isinstance(p, str):
-                ids = self.tokenizer.encode(p)
+                ids = next(encoded)
                 if not ids:
                     raise APIError(400, "prompt: the prompt is empty after tokenization", param="prompt")
             else:
@@ -110,11 +163,11 @@ class Admission:
             prompts.append(ids)
         return prompts
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    async def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         """The conversation's token ids through the model's chat template."""
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            ids = self.tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+            ids = await self.tokenizer.chat_ids(messages, body.add_generation_prompt)
         except Exception as e:  # template errors (role order, ...) are the client's to fix
             raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
         if not ids:

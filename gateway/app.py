@@ -4,11 +4,13 @@
 ``build_app(settings)`` wraps it as a Ray Serve ingress deployment whose replica builds its own
 backend from ``settings.backend_factory``.
 
-Per request: validate (400 naming the field), tokenize, check the context limit and build one engine
-``Request`` per prompt (``gateway/admission.py``); hand them to the backend and follow them until they end
-or the client goes away, recording TTFT / TPOT / end-to-end latency (``gateway/generation.py``); answer in
-OpenAI's shapes, streamed (SSE) or whole (JSON) (``gateway/openai_format.py``). This module keeps the
-routes, the mapping of errors to HTTP answers, and the Ray Serve deployment.
+Per request: refuse a body over the size cap (413, ``gateway/body_limit.py``); validate (400 naming the
+field), check the bounds on what one request holds, tokenize (long text off the event loop), check the
+context limit and build one engine ``Request`` per prompt (``gateway/admission.py``); hand them to the
+backend and follow them until they end or the client goes away, recording TTFT / TPOT / end-to-end
+latency (``gateway/generation.py``); answer in OpenAI's shapes, streamed (SSE) or whole (JSON)
+(``gateway/openai_format.py``). This module keeps the routes, the mapping of errors to HTTP answers, and
+the Ray Serve deployment.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.admission import Admission
 from gateway.backend import BackendError, Overloaded, ServingBackend
+from gateway.body_limit import BodyLimitMiddleware
 from gateway.generation import (
     ClientGone,
     Generation,
@@ -138,9 +141,10 @@ class Gateway:
         self.check_auth(request)
         body: CompletionRequest = parse_body(CompletionRequest, await request.body())
         self.check_model(body.model)
+        self.admission.check_bounds(body, self.backend.max_in_flight())
         self.admission.check_logprobs(body)
         sched = self.admission.scheduling(request.headers, body)
-        prompts = self.admission.completion_prompts(body)
+        prompts = await self.admission.completion_prompts(body)
         max_tokens = [
             self.admission.check_length(ids, body.max_tokens, "prompt", "max_tokens") for ids in prompts
         ]
@@ -160,9 +164,10 @@ class Gateway:
         self.check_auth(request)
         body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await request.body())
         self.check_model(body.model)
+        self.admission.check_bounds(body, self.backend.max_in_flight())
         self.admission.check_logprobs(body)
         sched = self.admission.scheduling(request.headers, body)
-        ids = self.admission.chat_prompt(body)
+        ids = await self.admission.chat_prompt(body)
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         mt = self.admission.check_length(ids, body.requested_max_tokens(), "messages", max_param)
         reqs = self.admission.requests(new_id("chatcmpl"), [ids], [mt], body, sched, body.logprobs)
@@ -317,6 +322,8 @@ def create_app(
             raise APIError(400, f"window_s must be a positive number, got {window_s}", param="window_s")
         return JSONResponse(await backend.dashboard_data(window_s))
 
+    # Starlette puts the middleware added last outermost: the x-request-id is echoed on a 413 too.
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     if echo_request_id:
         app.add_middleware(_RequestIdMiddleware)
     return app

@@ -76,6 +76,13 @@ class ServingBackend(abc.ABC):
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None: ...
 
+    def max_in_flight(self) -> int | None:
+        """The most requests this backend holds at once before it answers Overloaded (None: no such bound).
+
+        The gateway refuses a batch of more prompts than this with a 400, since it could never be admitted.
+        """
+        return None
+
     @abc.abstractmethod
     async def health(self) -> dict:
         """{"ready": bool, "workers": [{"id", "role", "up", "warmed", ...}], ...}"""

@@ -110,6 +110,9 @@ class RayClusterBackend(ServingBackend):
     def model_info(self) -> ModelInfo:
         return self._info
 
+    def max_in_flight(self) -> int:
+        return self.config.max_pending
+
     def _check(self, req: Request) -> None:
         if self._closed:
             raise Unavailable("the cluster is shutting down")

@@ -61,7 +61,8 @@ class ClusterConfig:
     # None: 1 per disaggregated worker (each pinned to its own core); a colocated worker's share of the cores.
     num_threads: int | None = None
     pin_cores: bool = True
-    # Admission bound: requests in flight through one gateway beyond this get 429.
+    # Admission bound: requests in flight through one gateway beyond this get 429 (a batch of more prompts
+    # than this, which could never be admitted, gets 400).
     max_pending: int = 256
     max_batches_per_prefill_worker: int = 2
     # Long-poll timeout of the gateway's output drain calls.

@@ -98,6 +98,9 @@ class LocalEngineBackend(ServingBackend):
     def model_info(self) -> ModelInfo:
         return self._info
 
+    def max_in_flight(self) -> int:
+        return self.max_inflight
+
     async def generate(self, req: Request) -> AsyncIterator[RequestOutput]:
         if self._stopping or not self._thread.is_alive():
             raise Unavailable("the engine is not running")

@@ -4,6 +4,24 @@ and the error shape ``{"error": {"message", "type", "param", "code"}}``.
 Requests are validated strictly (a string where a number belongs is an error, not a guess), and
 every validation failure becomes an :class:`APIError` whose ``param`` names the field, so the
 client never sees FastAPI's default 422 body.
+
+Fields this server does not implement are of two kinds:
+
+- Fields that would change the answer are refused with a 400 naming them unless they hold the value that
+  means "off" (``_OFF``): ``n``, ``best_of``, ``suffix``, ``presence_penalty`` and ``frequency_penalty``
+  (checked by their own validators), and ``logit_bias``, ``response_format``, ``tools``, ``tool_choice``,
+  ``functions``, ``function_call``, ``modalities``, ``audio``, ``prediction``, ``web_search_options``,
+  and vLLM's ``min_tokens``, ``min_p``, ``repetition_penalty``, ``use_beam_search``, ``length_penalty``,
+  ``include_stop_str_in_output``, ``skip_special_tokens``, ``spaces_between_special_tokens``,
+  ``truncate_prompt_tokens``, ``allowed_token_ids``, ``bad_words``, ``prompt_logprobs``,
+  ``logits_processors``, ``structured_outputs``, ``guided_json``, ``guided_regex``, ``guided_choice``,
+  ``guided_grammar``, ``add_special_tokens``; for chat also ``echo``, ``chat_template``,
+  ``chat_template_kwargs``, ``continue_final_message`` and ``documents``.
+- Every other field is ignored, as OpenAI's API does with fields that do not apply: ``user``, ``metadata``,
+  ``store``, ``service_tier``, ``parallel_tool_calls``, ``reasoning_effort`` and any unknown name.
+
+How many prompts, stop strings, stop token ids and messages a request may hold is the gateway's setting
+(``gateway/settings.py``), checked in ``gateway/admission.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +38,7 @@ from pydantic import (
     Field,
     StrictInt,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -106,6 +125,67 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Fields we do not implement, each with the values that mean "off" (None always does): any other value would
+# make the answer differ from what the client asked for, so it is a 400 naming the field, never silently ignored.
+_OFF: dict[str, tuple[Any, ...]] = {
+    "logit_bias": ({},),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),  # with no tools, "auto" calls none
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "web_search_options": (),
+    # vLLM's extensions
+    "min_tokens": (0,),
+    "min_p": (0.0,),
+    "repetition_penalty": (1.0,),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "prompt_logprobs": (),
+    "logits_processors": (),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+}
+# Chat only: completions implement `echo`, and add the tokenizer's special tokens (BOS) by default.
+_CHAT_OFF: dict[str, tuple[Any, ...]] = {
+    "echo": (False,),
+    "add_special_tokens": (False,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "continue_final_message": (False,),
+    "documents": (),
+}
+_COMPLETION_OFF: dict[str, tuple[Any, ...]] = {"add_special_tokens": (True,)}
+
+
+def _is(v: Any, off: Any) -> bool:
+    if isinstance(v, bool) or isinstance(off, bool):
+        return type(v) is type(off) and v == off  # True is not 1.0, nor 0 False
+    return v == off  # 1 and 1.0 alike
+
+
+def _off(table: dict[str, tuple[Any, ...]], v: Any, info: ValidationInfo) -> Any:
+    offs = table[info.field_name or ""]
+    if v is not None and not any(_is(v, off) for off in offs):
+        allowed = " or ".join(json.dumps(off) for off in offs)
+        raise ValueError(
+            "not supported by this server; leave it out" + (f" or send {allowed}" if allowed else "")
+        )
+    return v
+
+
 class _Common(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -129,6 +209,35 @@ class _Common(BaseModel):
     # first): it sets the urgency inside the online class, as ``priority_level`` (larger first) does.
     priority: PriorityName | StrictInt | None = None
     priority_level: int | None = None
+    # Not implemented: None or their value in `_OFF`, else a 400 naming the field.
+    logit_bias: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    min_tokens: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    prompt_logprobs: Any = None
+    logits_processors: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator("n")
     @classmethod
@@ -143,8 +252,6 @@ class _Common(BaseModel):
         stops = [v] if isinstance(v, str) else v or []
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
-        if len(stops) > 16:
-            raise ValueError(f"at most 16 stop strings, got {len(stops)}")
         return v
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -153,6 +260,11 @@ class _Common(BaseModel):
         if v != 0.0:
             raise ValueError("penalties are not supported; send 0 or leave it out")
         return v
+
+    @field_validator(*_OFF)
+    @classmethod
+    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
+        return _off(_OFF, v, info)
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -171,6 +283,12 @@ class CompletionRequest(_Common):
     suffix: str | None = None
     # Extension (as in vLLM): logprob tokens as "token_id:<id>" instead of their text.
     return_tokens_as_token_ids: bool = False
+    add_special_tokens: Any = None  # not implemented: see `_COMPLETION_OFF`
+
+    @field_validator(*_COMPLETION_OFF)
+    @classmethod
+    def _unsupported_here(cls, v: Any, info: ValidationInfo) -> Any:
+        return _off(_COMPLETION_OFF, v, info)
 
     @field_validator("prompt")
     @classmethod
@@ -230,6 +348,13 @@ class CompletionRequest(_Common):
             raise ValueError("suffix is not supported")
         return v
 
+    def num_prompts(self) -> int:
+        """How many prompts (engine requests) the request holds, without copying them."""
+        p = self.prompt
+        if isinstance(p, str) or all(isinstance(x, int) for x in p):
+            return 1
+        return len(p)
+
     def prompts(self) -> list[str] | list[list[int]]:
         """One entry per prompt: strings to tokenize, or token ids as given."""
         p = self.prompt
@@ -269,6 +394,18 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Not implemented: None or their value in `_CHAT_OFF`, else a 400 naming the field.
+    echo: Any = None
+    add_special_tokens: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    continue_final_message: Any = None
+    documents: Any = None
+
+    @field_validator(*_CHAT_OFF)
+    @classmethod
+    def _unsupported_here(cls, v: Any, info: ValidationInfo) -> Any:
+        return _off(_CHAT_OFF, v, info)
 
     @field_validator("messages")
     @classmethod

@@ -7,6 +7,16 @@ from dataclasses import dataclass
 
 from gateway.backend import ServingBackend
 
+# The per-request bounds among the settings below (each a positive int).
+LIMITS = (
+    "max_body_bytes",
+    "max_prompts",
+    "max_stop_strings",
+    "max_stop_chars",
+    "max_stop_token_ids",
+    "max_messages",
+)
+
 
 @dataclass(frozen=True)
 class GatewaySettings:
@@ -32,6 +42,26 @@ class GatewaySettings:
     # Access-log the routes that are polled (health probes, metric scrapes, the dashboard's refresh) too.
     log_polling: bool = False
 
+    # Bounds on one request, so that no client can hold the gateway's memory or event loop, or the shared
+    # decode loop, with one oversized request. Going over one is a 413 (the body) or a 400 naming the field.
+    #
+    # Request bodies above this many bytes get a 413 before they are read whole. The largest legitimate body is
+    # a full batch of `max_prompts` prompts of max_model_len token ids each, about 8 bytes an id in JSON
+    # ("123456, "): 256 x 2048 x 8 = 4 MiB at the default context of 2048. Raise it for longer contexts.
+    max_body_bytes: int = 8 * 1024 * 1024
+    # Prompts in one completion request (a list of strings or of token-id lists); each becomes an engine request.
+    max_prompts: int = 256
+    # Stop strings in one request, and characters in each. The engine looks for them in the decoded tail of the
+    # output on every step, decoding 4 tokens per character of the longest (`engine/llm_engine.py`), on the loop
+    # thread that runs the whole batch; the gateway holds back that many characters of a stream as well.
+    max_stop_strings: int = 16
+    max_stop_chars: int = 128
+    # stop_token_ids in one request: each is compared with every sampled token, and the list travels with the
+    # request to every worker.
+    max_stop_token_ids: int = 256
+    # Messages in one chat request (the chat template renders each of them in Python).
+    max_messages: int = 2048
+
     def __post_init__(self) -> None:
         for name in ("default_slo_ttft_ms", "default_slo_tpot_ms"):
             value = getattr(self, name)
@@ -49,6 +79,10 @@ class GatewaySettings:
             or self.max_logprobs < 0
         ):
             raise ValueError(f"GatewaySettings.max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
+        for name in LIMITS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GatewaySettings.{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.dashboard_refresh_ms, int) or self.dashboard_refresh_ms < 250:
             raise ValueError(
                 f"GatewaySettings.dashboard_refresh_ms must be an int >= 250, got {self.dashboard_refresh_ms!r}"

@@ -7,7 +7,9 @@ loaded from the checkpoint folder the backend names, the same files the workers 
 
 from __future__ import annotations
 
+import asyncio
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback tokens
@@ -33,6 +35,16 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 _BYTE_LEVEL = _byte_level_alphabet()
 
+# Text up to this many characters, or a chat of up to INLINE_MESSAGES messages as long, is tokenized on the event
+# loop (about half a millisecond); longer goes to a thread, so that one long prompt does not stall every other
+# stream of the replica meanwhile (a megabyte takes about a second; the tokenizer releases the GIL as it works).
+INLINE_CHARS = 2048
+INLINE_MESSAGES = 8
+# Threads that tokenize long text, shared by the apps of a process. Few: tokenizing is CPU work, and a queue of
+# long prompts must not starve the engine or the loop of cores; short prompts do not wait behind them.
+TOKENIZE_THREADS = 2
+_POOL = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS, thread_name_prefix="tokenize")
+
 
 def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
@@ -47,6 +59,23 @@ class Tokenizer:
         decoder = getattr(getattr(hf_tokenizer, "backend_tokenizer", None), "decoder", None)
         self._byte_level = type(decoder).__name__ == "ByteLevel"
         self._special = set(getattr(hf_tokenizer, "all_special_ids", ()))
+
+    async def encode_all(self, texts: list[str]) -> list[list[int]]:
+        """Each text's token ids; off the event loop when the texts are long. (Tokenizing from several threads
+        at once is safe: it only reads the tokenizer, which nothing reconfigures while serving.)"""
+        if sum(len(t) for t in texts) <= INLINE_CHARS:
+            return [self.encode(t) for t in texts]
+        return await asyncio.get_running_loop().run_in_executor(
+            _POOL, lambda: [self.encode(t) for t in texts]
+        )
+
+    async def chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        """:meth:`apply_chat_template`, off the event loop when the messages are long."""
+        if len(messages) <= INLINE_MESSAGES and sum(len(m["content"]) for m in messages) <= INLINE_CHARS:
+            return self.apply_chat_template(messages, add_generation_prompt)
+        return await asyncio.get_running_loop().run_in_executor(
+            _POOL, self.apply_chat_template, messages, add_generation_prompt
+        )
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf(text, add_special_tokens=True).input_ids)

@@ -105,6 +105,12 @@ def test_settings_pickle_with_their_backend_factory() -> None:
         ({"default_priority": "batch"}, "default_priority"),
         ({"api_key": " "}, "api_key"),
         ({"dashboard_refresh_ms": 10}, "dashboard_refresh_ms"),
+        ({"max_body_bytes": 0}, "max_body_bytes"),
+        ({"max_prompts": -1}, "max_prompts"),
+        ({"max_stop_strings": 2.5}, "max_stop_strings"),
+        ({"max_stop_chars": True}, "max_stop_chars"),
+        ({"max_stop_token_ids": "64"}, "max_stop_token_ids"),
+        ({"max_messages": 0}, "max_messages"),
     ],
 )
 def test_settings_errors_name_the_field(kwargs: dict, field: str) -> None:

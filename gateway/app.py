@@ -4,8 +4,9 @@
 ``build_app(settings)`` wraps it as a Ray Serve ingress deployment whose replica builds its own
 backend from ``settings.backend_factory``.
 
-Per request: refuse a body over the size cap (413, ``gateway/body_limit.py``); validate (400 naming the
-field), check the bounds on what one request holds, tokenize (long text off the event loop), check the
+Per request: set its deadline (``gateway/deadline.py``: past it a 408, or a timeout error ending the stream,
+and an abort everywhere); refuse a body over the size cap (413, ``gateway/body_limit.py``); validate (400 naming
+the field), check the bounds on what one request holds, tokenize (long text off the event loop), check the
 context limit and build one engine ``Request`` per prompt (``gateway/admission.py``); hand them to the
 backend and follow them until they end or the client goes away, recording TTFT / TPOT / end-to-end
 latency (``gateway/generation.py``); answer in OpenAI's shapes, streamed (SSE) or whole (JSON)
@@ -33,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.admission import Admission
 from gateway.backend import BackendError, Overloaded, ServingBackend
 from gateway.body_limit import BodyLimitMiddleware
+from gateway.deadline import Deadline, request_deadline
 from gateway.generation import (
     ClientGone,
     Generation,
@@ -137,45 +139,50 @@ class Gateway:
 
     # ---------------------------------------------------------------- routes
 
+    def deadline(self, request: HTTPRequest) -> Deadline:
+        return request_deadline(request.headers, self.settings.request_timeout_s)
+
     async def completions(self, request: HTTPRequest) -> Response:
         self.check_auth(request)
-        body: CompletionRequest = parse_body(CompletionRequest, await request.body())
+        deadline = self.deadline(request)
+        body: CompletionRequest = parse_body(CompletionRequest, await deadline.bound(request.body()))
         self.check_model(body.model)
         self.admission.check_bounds(body, self.backend.max_in_flight())
         self.admission.check_logprobs(body)
         sched = self.admission.scheduling(request.headers, body)
-        prompts = await self.admission.completion_prompts(body)
+        prompts = await deadline.bound(self.admission.completion_prompts(body))
         max_tokens = [
             self.admission.check_length(ids, body.max_tokens, "prompt", "max_tokens") for ids in prompts
         ]
         reqs = self.admission.requests(
             new_id("cmpl"), prompts, max_tokens, body, sched, body.logprobs is not None
         )
-        gens = start_generations(self.backend, reqs, self.tokenizer, body.stop_list())
+        gens = start_generations(self.backend, reqs, self.tokenizer, body.stop_list(), deadline)
         base_id = gens[0].req.request_id
         if body.stream:
             return await self._stream(
-                request, gens, lambda: self.format.completion_chunks(body, gens, base_id)
+                request, gens, deadline, lambda: self.format.completion_chunks(body, gens, base_id)
             )
         await self._collect(request, gens)
         return JSONResponse(self.format.completion_response(body, gens, base_id).model_dump())
 
     async def chat(self, request: HTTPRequest) -> Response:
         self.check_auth(request)
-        body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await request.body())
+        deadline = self.deadline(request)
+        body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await deadline.bound(request.body()))
         self.check_model(body.model)
         self.admission.check_bounds(body, self.backend.max_in_flight())
         self.admission.check_logprobs(body)
         sched = self.admission.scheduling(request.headers, body)
-        ids = await self.admission.chat_prompt(body)
+        ids = await deadline.bound(self.admission.chat_prompt(body))
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         mt = self.admission.check_length(ids, body.requested_max_tokens(), "messages", max_param)
         reqs = self.admission.requests(new_id("chatcmpl"), [ids], [mt], body, sched, body.logprobs)
-        gens = start_generations(self.backend, reqs, self.tokenizer, body.stop_list())
+        gens = start_generations(self.backend, reqs, self.tokenizer, body.stop_list(), deadline)
         g = gens[0]
         rid = g.req.request_id
         if body.stream:
-            return await self._stream(request, gens, lambda: self.format.chat_chunks(body, g, rid))
+            return await self._stream(request, gens, deadline, lambda: self.format.chat_chunks(body, g, rid))
         await self._collect(request, gens)
         return JSONResponse(self.format.chat_response(body, g, rid).model_dump())
 
@@ -192,6 +199,7 @@ class Gateway:
         self,
         request: HTTPRequest,
         gens: list[Generation],
+        deadline: Deadline,
         make_chunks: Callable[[], AsyncIterator[str]],
     ) -> Response:
         # Wait for admission and the first token before answering 200, so that a full queue is a
@@ -208,26 +216,27 @@ class Gateway:
                     yield piece
             except BackendError as e:
                 # Headers are gone already: report in the stream, as OpenAI-compatible servers do.
-                yield sse(
-                    error_body(
-                        str(e), "server_error" if e.status >= 500 else "invalid_request_error", code=e.code
-                    )
-                )
+                yield sse(error_body(str(e), _error_type(e.status), code=e.code))
             yield SSE_DONE
 
-        return StreamResponse(body(), self.backend, gens)
+        return StreamResponse(body(), self.backend, gens, deadline)
 
 
 def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
+def _error_type(status: int) -> str:
+    """OpenAI's error ``type`` for a backend error's status."""
+    special = {408: "timeout_error", 429: "rate_limit_error"}
+    return special.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
 def _backend_error(e: BackendError) -> APIError:
     headers = {}
     if isinstance(e, Overloaded):
         headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
-    kind = {400: "invalid_request_error", 429: "rate_limit_error"}.get(e.status, "server_error")
-    return APIError(e.status, str(e) or e.code, type=kind, code=e.code, headers=headers)
+    return APIError(e.status, str(e) or e.code, type=_error_type(e.status), code=e.code, headers=headers)
 
 
 def create_app(

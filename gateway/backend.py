@@ -45,6 +45,13 @@ class Overloaded(BackendError):
         self.retry_after_s = retry_after_s
 
 
+class TimedOut(BackendError):
+    """The request passed its deadline (``gateway/deadline.py``): 408, and it is aborted everywhere."""
+
+    status = 408
+    code = "request_timeout"
+
+
 class Unavailable(BackendError):
     """Workers not up or not warmed: 503."""
 

@@ -6,6 +6,11 @@ the per-request streams, so the hot path costs one Ray call per worker step, not
 In disaggregated mode a request's first token comes from its prefill worker and the rest from its decode
 worker; each stream puts them in order by token index (and drops a first token sampled again after a
 re-plan).
+
+No wait here is unbounded: the gateway bounds a request's submission and each wait for its outputs by the
+request's deadline (``gateway/deadline.py``), the clean-up calls after it ends are bounded by
+``CALL_TIMEOUT_S``, and a worker whose drain call stops answering for ``ClusterConfig.worker_timeout_s`` is
+declared down as a dead one is.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ from worker.info import WorkerInfo
 from worker.messages import RequestMessage
 
 logger = logging.getLogger(__name__)
+
+# The most a clean-up call (release, abort) may take; the controller's abort itself waits up to 2 s on each worker.
+CALL_TIMEOUT_S = 10.0
 
 
 class _Stream:
@@ -147,13 +155,18 @@ class RayClusterBackend(ServingBackend):
         stream = _Stream()
         self._streams[rid] = stream
         finished = False
+        submitting: asyncio.Future | None = None
         try:
             msg = RequestMessage.from_request(req, self.consumer_id)
             # Arrivals feed the monitor's arrival rate and mean prompt length (the controller's N_max figures);
             # fire-and-forget: the monitor is for operators and planning, serving does not wait on it.
             self.handles.monitor.record_arrival.remote(req.priority_class.value, req.num_prompt_tokens)
+            # Its own task, so a caller that gives up (deadline, disconnect) does not cut it short: its abort is
+            # sent once the submission has landed, never ahead of it (Ray does not order the calls of one caller
+            # to an async actor).
+            submitting = asyncio.ensure_future(self._submit(msg, stream))
             try:
-                await self._submit(msg, stream)
+                await asyncio.shield(submitting)
             except Exception as e:
                 # The controller or the chosen worker is gone: a clear 503, not an unexplained 500.
                 raise Unavailable(f"could not submit the request to the cluster: {type(e).__name__}") from e
@@ -166,7 +179,7 @@ class RayClusterBackend(ServingBackend):
         finally:
             self._streams.pop(rid, None)
             # Clean up in a task: this may run while the caller's task is being cancelled.
-            cleanup = self._release(rid) if finished else self._abort_placed(rid, stream)
+            cleanup = self._release(rid) if finished else self._abort_placed(rid, stream, submitting)
             task = asyncio.get_running_loop().create_task(cleanup)
             self._background.add(task)
             task.add_done_callback(self._background.discard)
@@ -207,21 +220,30 @@ class RayClusterBackend(ServingBackend):
     async def _release(self, rid: str) -> None:
         if self.handles.controller is not None:
             with contextlib.suppress(Exception):
-                await self.handles.controller.release.remote(rid)
+                await asyncio.wait_for(self.handles.controller.release.remote(rid), CALL_TIMEOUT_S)
 
-    async def _abort_placed(self, rid: str, stream: _Stream | None) -> None:
+    async def _abort_placed(
+        self, rid: str, stream: _Stream | None, submitting: asyncio.Future | None = None
+    ) -> None:
         try:
+            if submitting is not None:
+                # Submitted or failed: either way nothing more is on its way to the cluster. (A failed submission
+                # may still have landed; the abort of an id the cluster does not hold does nothing.)
+                await asyncio.wait({submitting}, timeout=CALL_TIMEOUT_S)
+                if submitting.done() and not submitting.cancelled():
+                    submitting.exception()  # retrieved: the caller reported it, if it was still listening
             if self.handles.controller is not None:
-                await self.handles.controller.abort.remote(rid)
+                call = self.handles.controller.abort.remote(rid)
             elif stream is not None and stream.worker is not None:
-                await stream.worker.abort.remote(rid)
+                call = stream.worker.abort.remote(rid)
             else:
-                await asyncio.gather(
+                call = asyncio.gather(
                     *(h.abort.remote(rid) for h in self.handles.by_role("colocated").values()),
                     return_exceptions=True,
                 )
+            await asyncio.wait_for(call, CALL_TIMEOUT_S)
         except Exception as e:
-            logger.warning("abort of %s failed: %s", rid, e)
+            logger.warning("abort of %s failed: %s: %s", rid, type(e).__name__, e)
 
     async def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
@@ -293,8 +315,20 @@ class RayClusterBackend(ServingBackend):
             for n, w in self.handles.workers.items()
         ]
 
-    async def _fail_lost(self, name: str) -> None:
-        """End with an error every stream of this gateway that cannot finish now that ``name`` is down."""
+    async def _declare_down(self, name: str, why: str, hung: ActorHandle[EngineWorker] | None = None) -> None:
+        """``name`` is down (``why``: "died", "stopped answering ..."): once, end what it held with an error."""
+        if name in self._down:
+            return
+        logger.error("worker %s is down: it %s", name, why)
+        self._down.add(name)
+        await self._fail_lost(name, why, hung)
+
+    async def _fail_lost(self, name: str, why: str, hung: ActorHandle[EngineWorker] | None = None) -> None:
+        """End with an error every stream of this gateway that cannot finish now that ``name`` is down.
+
+        A ``hung`` worker (alive, not answering) is also told to abort them: the calls wait in its queue, so that if
+        it ever answers again it frees what it holds for requests nobody awaits any more.
+        """
         if self.handles.controller is not None:
             try:
                 lost = await asyncio.wait_for(self.handles.controller.worker_down.remote(name), 10.0)
@@ -305,6 +339,8 @@ class RayClusterBackend(ServingBackend):
         else:
             lost = [rid for rid, s in self._streams.items() if s.worker_name == name]
         for rid in lost:
+            if hung is not None:
+                hung.abort.remote(rid)
             stream = self._streams.get(rid)
             if stream is not None:
                 stream.push(
@@ -316,33 +352,51 @@ class RayClusterBackend(ServingBackend):
                         FinishReason.ERROR,
                         0,
                         stream.delivered,
-                        error=f"worker {name} died while serving this request; it was aborted",
+                        error=f"worker {name} {why} while serving this request; it was aborted",
                     )
                 )
 
     async def _poll(self, name: str, handle: ActorHandle[EngineWorker]) -> None:
-        while not self._closed:
-            try:
-                ack = self._acks.get(name, -1)
-                seq, outs = await handle.drain.remote(self.consumer_id, self.config.drain_timeout_s, ack)
-                self._acks[name] = seq
-                self._down.discard(name)
-            except asyncio.CancelledError:
-                raise
-            except ray.exceptions.RayActorError as e:
-                # The actor is dead (killed, crashed, its node gone): what it held cannot finish.
-                if name not in self._down:
-                    logger.error("worker %s is down: %s", name, e)
-                    self._down.add(name)
-                    await self._fail_lost(name)
-                await asyncio.sleep(1.0)
-                continue
-            except Exception as e:
-                # Anything else (a cancelled or timed-out call) is not a death sentence: retry.
-                logger.warning("drain from worker %s failed (%s: %s); retrying", name, type(e).__name__, e)
-                await asyncio.sleep(0.1)
-                continue
-            for out in outs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.push(out)
+        timeout = self.config.worker_timeout_s
+        call: asyncio.Future | None = None  # the drain call in flight
+        try:
+            while not self._closed:
+                try:
+                    if call is None:
+                        ack = self._acks.get(name, -1)
+                        call = asyncio.ensure_future(
+                            handle.drain.remote(self.consumer_id, self.config.drain_timeout_s, ack)
+                        )
+                    done, _ = await asyncio.wait({call}, timeout=timeout)
+                    if not done:
+                        # Alive or not, it does not answer, so what it holds cannot finish. Keep waiting on the same
+                        # call: its answer, if one ever comes, carries the outputs not yet acknowledged.
+                        await self._declare_down(name, f"stopped answering for {timeout:g} s", handle)
+                        continue
+                    answered, call = call, None
+                    seq, outs = answered.result()
+                    self._acks[name] = seq
+                    self._down.discard(name)
+                except asyncio.CancelledError:
+                    raise
+                except ray.exceptions.RayActorError as e:
+                    # The actor is dead (killed, crashed, its node gone): what it held cannot finish.
+                    if name not in self._down:
+                        logger.error("worker %s: %s", name, e)
+                    await self._declare_down(name, "died")
+                    await asyncio.sleep(1.0)
+                    continue
+                except Exception as e:
+                    # Anything else (a cancelled or timed-out call) is not a death sentence: retry.
+                    logger.warning(
+                        "drain from worker %s failed (%s: %s); retrying", name, type(e).__name__, e
+                    )
+                    await asyncio.sleep(0.1)
+                    continue
+                for out in outs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.push(out)
+        finally:
+            if call is not None:
+                call.cancel()

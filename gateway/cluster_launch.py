@@ -67,6 +67,10 @@ class ClusterConfig:
     max_batches_per_prefill_worker: int = 2
     # Long-poll timeout of the gateway's output drain calls.
     drain_timeout_s: float = 0.5
+    # A worker whose drain call has not answered for this long is hung (alive, but its actor does not answer): the
+    # gateway declares it down, as it does a dead one, and its requests end with an error. A drain answers within
+    # drain_timeout_s when the worker is well, whatever its load.
+    worker_timeout_s: float = 30.0
     # Seconds to wait for the workers to load and warm up.
     startup_timeout_s: float = 900.0
     # The model id clients send; None: the engine's model name.
@@ -90,10 +94,16 @@ class ClusterConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ClusterConfig.{name} must be an int >= 1, got {value!r}")
-        for name in ("worker_num_cpus", "drain_timeout_s", "startup_timeout_s"):
+        for name in ("worker_num_cpus", "drain_timeout_s", "worker_timeout_s", "startup_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"ClusterConfig.{name} must be > 0, got {value!r}")
+        if not self.worker_timeout_s > self.drain_timeout_s:
+            # An idle worker's drain answers only after drain_timeout_s: anything shorter would call it hung.
+            raise ValueError(
+                f"ClusterConfig.worker_timeout_s must be more than the {self.drain_timeout_s:g} s an idle worker's "
+                f"drain call takes (drain_timeout_s), got {self.worker_timeout_s!r}"
+            )
         if self.num_threads is not None and (
             not isinstance(self.num_threads, int)
             or isinstance(self.num_threads, bool)

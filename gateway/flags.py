@@ -223,11 +223,12 @@ def load_yaml_file(path: str) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ messages in the user's terms
 
-_FIELD = re.compile(r"\b[A-Z]\w*Config\.([a-z_]+)\b")
+_FIELD = re.compile(r"\b[A-Z]\w*(?:Config|Settings)\.([a-z_]+)\b")
 
 
 def in_flag_terms(parser: argparse.ArgumentParser, message: str) -> str:
-    """Rewrite internal config field names (``SchedulerConfig.max_model_len``) as the flags that set them."""
+    """Rewrite internal config field names (``SchedulerConfig.max_model_len``, ``GatewaySettings.api_key``) as the
+    flags that set them."""
 
     def flag(m: re.Match[str]) -> str:
         return flag_of(parser, m.group(1)) or m.group(0)

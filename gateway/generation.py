@@ -2,7 +2,9 @@
 it when the client goes away, and record its timings once it ends.
 
 A client that disconnects cancels the backend iterators and aborts the requests, whether it was streaming
-or not; the abort and the record run shielded, so a cancelled handler still finishes its bookkeeping.
+or not; the abort and the record run shielded, so a cancelled handler still finishes its bookkeeping. A request
+that passes its deadline (``gateway/deadline.py``) takes the same path: every wait for the backend's next output
+is bounded by it, and past it the request ends with :class:`gateway.backend.TimedOut` and is aborted.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -21,7 +24,8 @@ from starlette.requests import Request as HTTPRequest
 from starlette.types import Receive, Scope, Send
 
 from engine.request import FinishReason, Request, RequestOutput
-from gateway.backend import BackendError, ServingBackend
+from gateway.backend import BackendError, ServingBackend, TimedOut
+from gateway.deadline import Deadline
 from gateway.tokenization import IncrementalDetokenizer, Tokenizer
 from monitor.records import RequestRecord
 
@@ -31,6 +35,13 @@ T = TypeVar("T")
 
 # Tasks that finish a request's bookkeeping after its handler is gone; kept so they are not collected.
 _BACKGROUND: set[asyncio.Task[Any]] = set()
+
+# The most an answer waits for its requests' abort and record; past it they go on in the background, so a
+# controller or monitor that stopped answering cannot hold the client's answer (a 408 above all).
+FINISH_WAIT_S = 5.0
+# A stream past its deadline has this long to send its timeout error and [DONE]; a client that does not read
+# them by then (the send is stuck) is cut off, so no stream outlives its deadline by more.
+STREAM_GRACE_S = 5.0
 
 
 class ClientGone(Exception):
@@ -55,6 +66,8 @@ class Generation:
     req: Request
     detok: IncrementalDetokenizer
     arrival_wall: float
+    # Past it, waiting for the next output raises TimedOut (None: no deadline).
+    deadline: Deadline | None = None
     arrival: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -80,7 +93,7 @@ class Generation:
         """Submit and wait for the first output: admission errors surface here, before any byte is sent."""
         self._it = self.backend.generate(self.req).__aiter__()
         try:
-            self._primed = await self._it.__anext__()
+            self._primed = await self._next()
         except StopAsyncIteration:
             self._backend_done = True
             raise BackendError("the backend ended the request without output") from None
@@ -97,11 +110,24 @@ class Generation:
                 out, self._primed = self._primed, None
             else:
                 try:
-                    out = await self._it.__anext__()
+                    out = await self._next()
                 except StopAsyncIteration:
                     self._backend_done = True
                     raise BackendError("the backend ended the request without finishing it") from None
             yield self._apply(out)
+
+    async def _next(self) -> RequestOutput:
+        """The backend's next output, waited for until the deadline at most. Past it the backend iterator is
+        cancelled (its own clean-up aborts the request), and :meth:`close` aborts it once more."""
+        assert self._it is not None
+        if self.deadline is None:
+            return await self._it.__anext__()
+        try:
+            return await self.deadline.bound(self._it.__anext__())
+        except TimedOut as e:
+            self.finish_reason = "error"
+            self.error = str(e)
+            raise
 
     async def collect(self) -> None:
         """Run to the end, keeping the text and tokens (a response that is not streamed)."""
@@ -178,11 +204,15 @@ class Generation:
 
 
 def start_generations(
-    backend: ServingBackend, reqs: list[Request], tokenizer: Tokenizer, stop: list[str]
+    backend: ServingBackend,
+    reqs: list[Request],
+    tokenizer: Tokenizer,
+    stop: list[str],
+    deadline: Deadline | None = None,
 ) -> list[Generation]:
-    """One :class:`Generation` per request of one HTTP call, all arriving now."""
+    """One :class:`Generation` per request of one HTTP call, all arriving now, all bound by its deadline."""
     now = time.time()
-    return [Generation(backend, req, IncrementalDetokenizer(tokenizer, stop), now) for req in reqs]
+    return [Generation(backend, req, IncrementalDetokenizer(tokenizer, stop), now, deadline) for req in reqs]
 
 
 async def _finish(backend: ServingBackend, gens: list[Generation]) -> None:
@@ -201,12 +231,19 @@ async def _finish(backend: ServingBackend, gens: list[Generation]) -> None:
 
 async def finish_shielded(backend: ServingBackend, gens: list[Generation]) -> None:
     """Abort what is unfinished and record every request once, even when the caller is being cancelled
-    (the client went away)."""
+    (the client went away); waits ``FINISH_WAIT_S`` at most, the rest runs on in the background."""
     task = asyncio.ensure_future(_finish(backend, gens))
     _BACKGROUND.add(task)
     task.add_done_callback(_BACKGROUND.discard)
     with anyio.CancelScope(shield=True), contextlib.suppress(asyncio.CancelledError):
-        await asyncio.shield(task)
+        # asyncio.wait neither cancels the task at its timeout nor when this caller is cancelled.
+        await asyncio.wait({task}, timeout=FINISH_WAIT_S)
+    if not task.done():
+        logger.warning(
+            "aborting and recording %s takes over %g s; left to finish in the background",
+            ", ".join(g.req.request_id for g in gens),
+            FINISH_WAIT_S,
+        )
 
 
 async def _cancel_and_wait(tasks: list[asyncio.Future[Any]]) -> None:
@@ -280,9 +317,17 @@ async def merged(gens: list[Generation]) -> AsyncIterator[tuple[int, Event]]:
 
 
 class StreamResponse(StreamingResponse):
-    """SSE response that aborts and records its requests however the stream ends."""
+    """SSE response that aborts and records its requests however the stream ends, and that ends
+    ``STREAM_GRACE_S`` after its deadline at the latest (the content reports the timeout itself; this bound is
+    for a client that stopped reading, whose send never returns)."""
 
-    def __init__(self, content: AsyncIterator[str], backend: ServingBackend, gens: list[Generation]) -> None:
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        backend: ServingBackend,
+        gens: list[Generation],
+        deadline: Deadline | None = None,
+    ) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
@@ -290,9 +335,18 @@ class StreamResponse(StreamingResponse):
         )
         self._backend = backend
         self._gens = gens
+        self._deadline = deadline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = math.inf if self._deadline is None else self._deadline.remaining() + STREAM_GRACE_S
         try:
-            await super().__call__(scope, receive, send)
+            with anyio.move_on_after(limit) as cut:
+                await super().__call__(scope, receive, send)
+            if cut.cancelled_caught:
+                logger.warning(
+                    "stream %s cut off %g s after its deadline: the client is not reading it",
+                    self._gens[0].req.request_id,
+                    STREAM_GRACE_S,
+                )
         finally:
             await finish_shielded(self._backend, self._gens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +35,10 @@ class GatewaySettings:
     # SLOs of a request that sends no x-slo-ttft-ms / x-slo-tpot-ms header.
     default_slo_ttft_ms: float = 450.0
     default_slo_tpot_ms: float = 50.0
+    # Seconds a request may take, from its headers to its last byte: past it, a JSON request gets a 408, a stream
+    # ends with a timeout error, and the request is aborted everywhere (`gateway/deadline.py`). A client may ask
+    # for less with the x-request-timeout-ms header, never for more.
+    request_timeout_s: float = 600.0
     # Priority class of a request that names none.
     default_priority: str = "online"
     # Largest `logprobs` a completion request may ask for (as in OpenAI's API).
@@ -67,6 +72,9 @@ class GatewaySettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"GatewaySettings.{name} must be a positive number, got {value!r}")
+        timeout = self.request_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
+            raise ValueError(f"GatewaySettings.request_timeout_s must be a positive number, got {timeout!r}")
         if self.default_priority not in ("online", "offline"):
             raise ValueError(
                 f"GatewaySettings.default_priority must be 'online' or 'offline', got {self.default_priority!r}"

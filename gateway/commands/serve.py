@@ -95,6 +95,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, help="monitor store in Redis (default: in memory)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     p.add_argument("--max-pending", type=int, default=256, help="requests in flight per gateway before 429")
+    p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=600.0,
+        help="a request not done by then is aborted: a 408, or a stream ends with a timeout error (a client asks "
+        "for less with the x-request-timeout-ms header)",
+    )
+    p.add_argument(
+        "--worker-timeout-s",
+        type=float,
+        default=30.0,
+        help="a worker that does not answer the gateway for this long is declared down and its requests end "
+        "with an error",
+    )
     p.add_argument("--worker-num-cpus", type=float, default=1.0, help="Ray CPUs each worker actor asks for")
     p.add_argument(
         "--num-threads",
@@ -199,6 +213,7 @@ def cluster_config_from_args(args: argparse.Namespace, detached: bool = False, q
         num_threads=args.num_threads,
         pin_cores=not args.no_pin_cores,
         max_pending=args.max_pending,
+        worker_timeout_s=args.worker_timeout_s,
         served_model_name=args.served_model_name,
         detached=detached,
         quiet=quiet,
@@ -225,6 +240,10 @@ def checked_cluster_config(args: argparse.Namespace, detached: bool = False, qui
         raise FlagError(in_flag_terms(parser, str(e))) from None
     if args.gateway_replicas < 1:
         raise FlagError(f"--gateway-replicas must be >= 1, got {args.gateway_replicas}")
+    try:
+        _settings(config, args)
+    except ValueError as e:
+        raise FlagError(in_flag_terms(parser, str(e))) from None
     return replace(config, engine=engine), facts
 
 
@@ -239,7 +258,9 @@ def _settings(config, args: argparse.Namespace):
     from gateway.settings import GatewaySettings
 
     return GatewaySettings(
-        backend_factory=functools.partial(connect_backend, config), api_key=args.api_key or None
+        backend_factory=functools.partial(connect_backend, config),
+        api_key=args.api_key or None,
+        request_timeout_s=args.request_timeout_s,
     )
 
 

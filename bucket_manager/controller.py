@@ -44,13 +44,16 @@ class ControllerConfig:
     # How often the monitor's figures are re-read, and the planner wakes when nothing happens.
     stats_refresh_s: float = 0.1
     plan_interval_s: float = 0.05
+    # Figures older than this (the monitor is slow, hung or gone) are dropped: the planner then goes by its own
+    # ledger of reservations alone, rather than by a worker's free blocks as they were long ago.
+    stats_max_age_s: float = 2.0
     # Prefill attempts of one request (a decode worker refused or died, a transfer failed) before it fails.
     max_attempts: int = 4
     scheduling: str = "buckets"
 
     def __post_init__(self) -> None:
         check_planning_config(self)
-        for name in ("stats_refresh_s", "plan_interval_s"):
+        for name in ("stats_refresh_s", "plan_interval_s", "stats_max_age_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"ControllerConfig.{name} must be > 0, got {value!r}")
@@ -67,7 +70,13 @@ class Controller:
         self.config = config
         self.dispatcher = Dispatcher(config.dispatcher_config(), on_buckets=self._publish_buckets)
         self.handles: dict[str, Any] = {}  # worker id -> actor handle
-        self._stats_at = 0.0
+        # The monitor's figures: when they were last asked for and last received, the read in flight (one at a
+        # time, so a slow monitor never gets a backlog of reads), and whether they are known to be stale.
+        self._stats_asked = 0.0
+        self._stats_at = time.monotonic()
+        self._stats_read: asyncio.Task | None = None
+        self._stats_error: str | None = None
+        self._stats_stale = False
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._monitor = None
@@ -181,26 +190,50 @@ class Controller:
                 await asyncio.wait_for(self._wake.wait(), self.config.plan_interval_s)
             self._wake.clear()
             try:
-                await self._refresh_stats()
+                self._refresh_stats()
                 self._plan_all()
             except Exception:  # the planner must survive a bad figure or a dead worker
                 logger.exception("controller planning failed")
 
-    async def _refresh_stats(self) -> None:
+    def _refresh_stats(self) -> None:
+        """Keep the monitor's figures fresh without ever waiting for them: planning goes on from the last figures
+        while a read runs in the background, and from the controller's own ledger once they are too old."""
+        if self._monitor is None:
+            return
         now = time.monotonic()
-        if self._monitor is None or now - self._stats_at < self.config.stats_refresh_s:
-            return
-        self._stats_at = now
+        if self._stats_read is None and now - self._stats_asked >= self.config.stats_refresh_s:
+            self._stats_asked = now
+            self._stats_read = asyncio.get_running_loop().create_task(self._read_stats())
+        age = now - self._stats_at
+        if not self._stats_stale and age > self.config.stats_max_age_s:
+            # Once per outage, not per tick; a worker's old free-block count could hold planning at zero for ever.
+            self._stats_stale = True
+            self.dispatcher.update_stats({}, ())
+            logger.warning(
+                "monitor figures are %.1f s old (%s); planning from the controller's own ledger until it answers",
+                age,
+                self._stats_error or "no answer yet",
+            )
+
+    async def _read_stats(self) -> None:
         try:
-            summary = await self._monitor.summary.remote()
-        except Exception as e:
-            logger.warning("monitor unreachable: %s", e)
+            summary = await self._monitor.summary.remote()  # type: ignore[union-attr]
+        except Exception as e:  # the monitor is gone or failed: keep planning, say so once (above)
+            self._stats_error = f"{type(e).__name__}: {e}"
             return
+        finally:
+            self._stats_read = None
         self.dispatcher.update_stats(
             summary.get("free_kv_blocks", {}),
             # A worker that reported once and then went silent is down; one not yet seen is starting.
             (wid for wid, row in summary.get("workers", {}).items() if not row.get("up", True)),
         )
+        self._stats_at = time.monotonic()
+        self._stats_error = None
+        if self._stats_stale:
+            self._stats_stale = False
+            logger.warning("monitor figures are fresh again")
+        self._wake.set()  # new figures may let a waiting batch fit
 
     def _plan_all(self) -> None:
         for batch in self.dispatcher.plan(time.time()):

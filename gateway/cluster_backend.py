@@ -285,7 +285,8 @@ class RayClusterBackend(ServingBackend):
         return await self.handles.monitor.dashboard_data.remote(window_s)
 
     async def record(self, rec: RequestRecord) -> None:
-        await self.handles.monitor.record_request.remote(rec)
+        # Fire-and-forget, as arrivals are: no answer waits on the monitor (or on its store, Redis).
+        self.handles.monitor.record_request.remote(rec)
 
     async def worker_stats(self) -> dict[str, dict]:
         """Each worker's own figures (KV blocks free/used/total, ...), read directly."""

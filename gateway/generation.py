@@ -216,25 +216,39 @@ def start_generations(
 
 
 async def _finish(backend: ServingBackend, gens: list[Generation]) -> None:
-    """Abort what is unfinished and record every request once."""
+    """Abort what is unfinished, and record every request once without waiting for the records to be stored."""
     for g in gens:
         await g.close()
+    records = []
     for g in gens:
         if g.recorded or not g.submitted:
             continue  # never admitted: nothing to record
         g.recorded = True
+        records.append(g.record())
+    if records:
+        # The monitor and its store (Redis) are for operators and planning: a response never waits on them.
+        _in_background(_record(backend, records))
+
+
+async def _record(backend: ServingBackend, records: list[RequestRecord]) -> None:
+    for rec in records:
         try:
-            await backend.record(g.record())
+            await backend.record(rec)
         except Exception:
-            logger.exception("recording request %s failed", g.req.request_id)
+            logger.exception("recording request %s failed", rec.request_id)
+
+
+def _in_background(aw: Awaitable[None]) -> asyncio.Task[None]:
+    task = asyncio.ensure_future(aw)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    return task
 
 
 async def finish_shielded(backend: ServingBackend, gens: list[Generation]) -> None:
     """Abort what is unfinished and record every request once, even when the caller is being cancelled
     (the client went away); waits ``FINISH_WAIT_S`` at most, the rest runs on in the background."""
-    task = asyncio.ensure_future(_finish(backend, gens))
-    _BACKGROUND.add(task)
-    task.add_done_callback(_BACKGROUND.discard)
+    task = _in_background(_finish(backend, gens))
     with anyio.CancelScope(shield=True), contextlib.suppress(asyncio.CancelledError):
         # asyncio.wait neither cancels the task at its timeout nor when this caller is cancelled.
         await asyncio.wait({task}, timeout=FINISH_WAIT_S)

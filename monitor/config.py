@@ -26,6 +26,14 @@ class MonitorConfig:
     rate_window_s: float = 60.0
     # Namespace for every Redis key, so several clusters can share one Redis.
     key_prefix: str = "bucketserve"
+    # Redis client bounds, so that an unreachable or hung Redis costs a caller about a second, not
+    # redis-py's 5 s per socket operation: per-operation and connect timeouts, and retries of an operation
+    # whose connection failed (exponential backoff with jitter) before the store counts Redis as down.
+    redis_socket_timeout_s: float = 1.0
+    redis_connect_timeout_s: float = 1.0
+    redis_retries: int = 1
+    # While Redis is down the monitor answers from memory and tries Redis again this often.
+    redis_reconnect_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.store not in ("memory", "redis"):
@@ -44,6 +52,14 @@ class MonitorConfig:
         _positive("heartbeat_ttl_s", self.heartbeat_ttl_s)
         _positive("rate_window_s", self.rate_window_s)
         _positive("retention_s", self.retention_s)
+        for name in ("redis_socket_timeout_s", "redis_connect_timeout_s", "redis_reconnect_s"):
+            _positive(name, getattr(self, name))
+        if (
+            isinstance(self.redis_retries, bool)
+            or not isinstance(self.redis_retries, int)
+            or self.redis_retries < 0
+        ):
+            raise ValueError(f"MonitorConfig.redis_retries must be an int >= 0, got {self.redis_retries!r}")
         if self.retention_s < max(RESOLUTIONS_S):
             raise ValueError(
                 f"MonitorConfig.retention_s must be >= {max(RESOLUTIONS_S)} (one coarse slot), "

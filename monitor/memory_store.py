@@ -105,6 +105,10 @@ class MemoryStore(MonitorStore):
         with self._lock:
             return self._docs.get(name)
 
+    def documents(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._docs)
+
     def sizes(self) -> dict[str, int]:
         """How many entries each structure holds (for the bounded-memory tests)."""
         with self._lock:

@@ -3,6 +3,9 @@
 Plain Python so it can run embedded or be wrapped as a named Ray actor; every argument and
 result is a frozen record, a list, a dict or a number, all cheap to pickle. Return values
 of `summary()` and `dashboard_data()` are JSON-able as they are.
+
+No caller should wait on it to serve a request, and it never waits long on its store: on Redis, a store outage
+switches it to memory (degraded figures, see `fallback_store`) until Redis answers again.
 """
 
 from __future__ import annotations
@@ -175,10 +178,14 @@ class Monitor:
         - an idle worker (nothing running or queued) whose used + free KV blocks != total:
           blocks leaked;
         - a warmed worker that compiled at run time (a batch fell outside every warmed shape);
-        - totals where more requests met their SLO than finished.
+        - totals where more requests met their SLO than finished;
+        - a shared store (Redis) that is down, so these figures come from memory (degraded).
         """
         now = self.clock()
         problems = []
+        outage = self.store.outage()
+        if outage is not None:
+            problems.append(outage)
         for status in self.store.workers():
             s = status.stats
             if not status.up:

@@ -8,6 +8,12 @@ so concurrent writers need no locks or transactions):
 - `req:<id>`         JSON record, written with NX (a repeat is ignored) and EX retention
 - `reqs`             list of request ids, newest first, trimmed to max_requests
 - `doc:<name>`       small JSON documents (the bucket state)
+
+The client is bounded (`MonitorConfig.redis_*`): each operation times out after about a second, a failed
+connection is retried a set number of times with jittered exponential backoff, then the operation raises
+one of `outage_errors`. The
+registry wraps this store in a `FallbackStore`, so the monitor answers from memory while Redis is down and
+returns to it when it is back; what is written during an outage is not copied to Redis afterwards.
 """
 
 from __future__ import annotations
@@ -16,16 +22,39 @@ import math
 import time
 
 import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
 
 from monitor.config import MonitorConfig
 from monitor.store import Clock, HashOp, MonitorStore
 
+# Backoff between retries of a failed operation: 50 ms doubling, capped at 0.5 s, jittered so that many
+# clients losing Redis at once do not come back in lockstep.
+_BACKOFF_BASE_S = 0.05
+_BACKOFF_CAP_S = 0.5
+
 
 class RedisStore(MonitorStore):
+    # Connection-level failures (refused, reset, timed out, Redis still loading); a reply error is a bug.
+    outage_errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+
     def __init__(self, config: MonitorConfig, clock: Clock = time.time) -> None:
         super().__init__(config, clock)
         assert config.redis_url is not None  # guaranteed by MonitorConfig validation
-        self._redis = redis.Redis.from_url(config.redis_url, decode_responses=True)
+        self._redis = redis.Redis.from_url(
+            config.redis_url,
+            decode_responses=True,
+            socket_timeout=config.redis_socket_timeout_s,
+            socket_connect_timeout=config.redis_connect_timeout_s,
+            # Retries cover a pooled connection that died with a restarted server (the retry reconnects) and a
+            # refused connect. A timed-out operation is not retried: Redis may yet apply it (our increments are
+            # not idempotent), and the caller would wait once more for a server that is hung.
+            retry=Retry(
+                ExponentialWithJitterBackoff(cap=_BACKOFF_CAP_S, base=_BACKOFF_BASE_S),
+                config.redis_retries,
+                supported_errors=(redis.ConnectionError,),
+            ),
+        )
         try:
             self._redis.ping()
         except redis.RedisError as exc:
@@ -35,6 +64,9 @@ class RedisStore(MonitorStore):
 
     def close(self) -> None:
         self._redis.close()
+
+    def ping(self) -> None:
+        self._redis.ping()
 
     def _apply(self, ops: list[HashOp]) -> None:
         if not ops:

@@ -47,6 +47,10 @@ class HashOp:
 
 
 class MonitorStore(ABC):
+    # Errors that mean "the store cannot be reached now" (a shared store's outage), as opposed to a bug: a
+    # FallbackStore answers from memory on these.
+    outage_errors: tuple[type[Exception], ...] = ()
+
     def __init__(self, config: MonitorConfig, clock: Clock = time.time) -> None:
         self.config = config
         self.clock = clock
@@ -87,6 +91,13 @@ class MonitorStore(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, the memory store holds nothing open
         pass
+
+    def ping(self) -> None:  # noqa: B027 - optional hook, the memory store is always there
+        """Raise one of ``outage_errors`` when the store cannot be reached."""
+
+    def outage(self) -> str | None:
+        """What is wrong with the store while it answers from a stand-in (degraded figures); None when well."""
+        return None
 
     # ------------------------------------------------------------ workers
 

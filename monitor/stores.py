@@ -1,6 +1,7 @@
 """The monitor store registry: backends by `MonitorConfig.store` name, and `create_store`.
 
-The Redis backend is imported on use, so the memory store works where the redis client is absent."""
+The Redis backend is imported on use, so the memory store works where the redis client is absent. It comes
+wrapped in a FallbackStore, which answers from memory through a Redis outage."""
 
 from __future__ import annotations
 
@@ -35,9 +36,12 @@ def create_store(config: MonitorConfig | None = None, clock: Clock = time.time) 
 
 
 def _redis_factory(config: MonitorConfig, clock: Clock) -> MonitorStore:
+    from monitor.fallback_store import FallbackStore
     from monitor.redis_store import RedisStore
 
-    return RedisStore(config, clock)
+    # Redis must answer at start-up (RedisStore raises, naming the URL); an outage later costs figures, not
+    # service: the monitor answers from memory until Redis is back.
+    return FallbackStore(RedisStore(config, clock), config.redis_reconnect_s)
 
 
 register_store("memory", MemoryStore)

@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from monitor.records import WorkerStats
 
@@ -14,13 +15,17 @@ logger = logging.getLogger(__name__)
 
 class Heartbeat:
     """Pushes a worker's :class:`WorkerStats` to the monitor every ``interval_s`` and, rate-limited, on demand
-    (after a batch), so the controller sizes batches from figures at most ``interval_s`` old."""
+    (after a batch), so the controller sizes batches from figures at most ``interval_s`` old.
+
+    Fire-and-forget, one report in flight at most: while the monitor has not taken the last one (it is slow or
+    hung), newer ones are skipped rather than queued behind it without bound."""
 
     def __init__(self, monitor, stats_fn: Callable[[], WorkerStats], interval_s: float) -> None:
         self.monitor = monitor
         self.stats_fn = stats_fn
         self.interval_s = interval_s
         self._last = 0.0
+        self._in_flight: Future | None = None
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -40,9 +45,12 @@ class Heartbeat:
         now = time.monotonic()
         if not force and now - self._last < self.interval_s / 4:
             return
+        in_flight = self._in_flight
+        if in_flight is not None and not in_flight.done():
+            return
         self._last = now
         try:
-            self.monitor.report_worker.remote(self.stats_fn())
+            self._in_flight = self.monitor.report_worker.remote(self.stats_fn()).future()
         except Exception as e:  # a monitor restart must not take a worker down
             logger.warning("stats report failed: %s", e)
 

@@ -317,7 +317,9 @@ def test_cluster_serves_through_a_redis_outage(ray_session, tmp_path: Path, hf_r
     # served since it came back: the outage's figures stayed in memory.
     assert marks["in_redis_after"] >= len(by_phase["recovered"])
     if fault == "kill":
-        assert marks["in_redis_after"] <= len(by_phase["after"] + by_phase["recovered"])
+        # Records are written after their answers, in the background: those of the last requests of the outage
+        # (one per client at most) may land just after the restart. The rest of the outage's never reach Redis.
+        assert marks["in_redis_after"] <= len(by_phase["after"] + by_phase["recovered"]) + CLIENTS
     for name, s in stats.items():
         assert s["kv_blocks_used"] == 0, f"{name} still holds {s['kv_blocks_used']} blocks"
         assert s["kv_blocks_free"] + s["kv_blocks_used"] == s["kv_blocks_total"] == NUM_BLOCKS, (name, s)

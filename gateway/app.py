@@ -35,6 +35,7 @@ from gateway.admission import Admission
 from gateway.backend import BackendError, Overloaded, ServingBackend
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.deadline import Deadline, request_deadline
+from gateway.drain import Drain
 from gateway.generation import (
     ClientGone,
     Generation,
@@ -109,6 +110,7 @@ class Gateway:
         self.tokenizer = Tokenizer(load_tokenizer(self.info.path))
         self.admission = Admission(settings, self.info, self.tokenizer)
         self.format = OpenAIFormat(self.info.name, self.tokenizer)
+        self.drain = Drain(backend)
 
     # ---------------------------------------------------------------- checks
 
@@ -143,6 +145,7 @@ class Gateway:
         return request_deadline(request.headers, self.settings.request_timeout_s)
 
     async def completions(self, request: HTTPRequest) -> Response:
+        self.drain.check()
         self.check_auth(request)
         deadline = self.deadline(request)
         body: CompletionRequest = parse_body(CompletionRequest, await deadline.bound(request.body()))
@@ -158,6 +161,7 @@ class Gateway:
             new_id("cmpl"), prompts, max_tokens, body, sched, body.logprobs is not None
         )
         gens = start_generations(self.backend, reqs, self.tokenizer, body.stop_list(), deadline)
+        self.drain.admit(gens)  # a drain that began while this request was read and tokenized refuses it
         base_id = gens[0].req.request_id
         if body.stream:
             return await self._stream(
@@ -167,6 +171,7 @@ class Gateway:
         return JSONResponse(self.format.completion_response(body, gens, base_id).model_dump())
 
     async def chat(self, request: HTTPRequest) -> Response:
+        self.drain.check()
         self.check_auth(request)
         deadline = self.deadline(request)
         body: ChatCompletionRequest = parse_body(ChatCompletionRequest, await deadline.bound(request.body()))
@@ -179,6 +184,7 @@ class Gateway:
         mt = self.admission.check_length(ids, body.requested_max_tokens(), "messages", max_param)
         reqs = self.admission.requests(new_id("chatcmpl"), [ids], [mt], body, sched, body.logprobs)
         gens = start_generations(self.backend, reqs, self.tokenizer, body.stop_list(), deadline)
+        self.drain.admit(gens)  # a drain that began while this request was read and tokenized refuses it
         g = gens[0]
         rid = g.req.request_id
         if body.stream:
@@ -251,6 +257,7 @@ def create_app(
     gw = Gateway(backend, settings)
     app = FastAPI(title="BucketServe", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
+    app.state.drain = gw.drain
 
     @app.exception_handler(APIError)
     async def _api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
@@ -301,6 +308,8 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if gw.drain.draining:
+            return JSONResponse(gw.drain.health(), status_code=503)
         try:
             state = await backend.health()
         except Exception as e:
@@ -361,11 +370,21 @@ class GatewayDeployment:
             # Serve's access log goes through its "ray.serve" logger, one record per request.
             logging.getLogger("ray.serve").addFilter(_drop_polling_access_log)
         self._backend = settings.build_backend()
+        self._drain_follower = None
+        if settings.drain_signal is not None:
+            from gateway.drain_signal import DrainFollower
+
+            self._drain_follower = DrainFollower(settings.drain_signal)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_app(self._backend, self._settings, echo_request_id=False)
+        app = create_app(self._backend, self._settings, echo_request_id=False)
+        if self._drain_follower is not None:
+            self._drain_follower.follow(app.state.drain)
+        return app
 
     async def __del__(self) -> None:
+        if self._drain_follower is not None:
+            self._drain_follower.close()
         # The app does not own its backend (tests share one); the replica that built it does.
         await self._backend.shutdown()
 

@@ -81,7 +81,9 @@ class ServingBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def abort(self, request_id: str) -> None: ...
+    async def abort(self, request_id: str) -> None:
+        """Stop the request and free its KV. Its iterator, if still open, should end with a finished ABORT output:
+        that is how the gateway's drain ends the streams it cuts (``gateway/drain.py``)."""
 
     def max_in_flight(self) -> int | None:
         """The most requests this backend holds at once before it answers Overloaded (None: no such bound).

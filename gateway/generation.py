@@ -24,7 +24,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.types import Receive, Scope, Send
 
 from engine.request import FinishReason, Request, RequestOutput
-from gateway.backend import BackendError, ServingBackend, TimedOut
+from gateway.backend import BackendError, ServingBackend, TimedOut, Unavailable
 from gateway.deadline import Deadline
 from gateway.tokenization import IncrementalDetokenizer, Tokenizer
 from monitor.records import RequestRecord
@@ -76,6 +76,9 @@ class Generation:
     first_token_at: float | None = None
     last_token_at: float | None = None
     recorded: bool = False
+    # Set when the server ends this request before it finishes (a drain period ran out, ``gateway/drain.py``):
+    # the abort that follows is then an error the client sees, not a finish.
+    cut: str | None = None
     _it: AsyncIterator[RequestOutput] | None = None
     _primed: RequestOutput | None = None
     _backend_done: bool = False
@@ -85,12 +88,20 @@ class Generation:
         return self.finish_reason is not None
 
     @property
+    def ended(self) -> bool:
+        """The backend no longer runs it: finished, failed, refused or aborted."""
+        return self._backend_done
+
+    @property
     def submitted(self) -> bool:
         """The request was handed to the backend (admitted or not)."""
         return self._it is not None
 
     async def prime(self) -> None:
         """Submit and wait for the first output: admission errors surface here, before any byte is sent."""
+        if self.cut is not None:
+            self._backend_done = True  # cut before it reached the backend: nothing to abort
+            raise Unavailable(self.cut)
         self._it = self.backend.generate(self.req).__aiter__()
         try:
             self._primed = await self._next()
@@ -144,6 +155,10 @@ class Generation:
             self.logprobs += out.new_logprobs
         if out.finished:
             self._backend_done = True
+            if self.cut is not None and out.finish_reason == FinishReason.ABORT:
+                self.finish_reason = "error"
+                self.error = self.cut
+                raise Unavailable(self.cut)
             if out.finish_reason == FinishReason.ERROR:
                 self.finish_reason = "error"
                 self.error = out.error or "the request failed in the engine"

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestRejected
-from engine.request import Request, RequestOutput
+from engine.request import FinishReason, Request, RequestOutput
 from gateway.backend import BackendError, ModelInfo, Overloaded, Rejected, ServingBackend, Unavailable
 from monitor import Monitor, WorkerStats
 from monitor.records import RequestRecord
@@ -142,6 +142,11 @@ class LocalEngineBackend(ServingBackend):
                 self._request_abort(req.request_id)
 
     async def abort(self, request_id: str) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            # End its stream now, as the cluster backend does; the engine frees its KV at its next step.
+            out = RequestOutput(request_id, [], [], True, FinishReason.ABORT, 0, 0)
+            target[0].call_soon_threadsafe(target[1].put_nowait, out)
         self._request_abort(request_id)
 
     async def health(self) -> dict:

@@ -46,6 +46,9 @@ class GatewaySettings:
     dashboard_refresh_ms: int = 2000
     # Access-log the routes that are polled (health probes, metric scrapes, the dashboard's refresh) too.
     log_polling: bool = False
+    # (Ray namespace, actor name) of the drain signal each Ray Serve replica follows (``gateway/drain_signal.py``):
+    # set by ``bucketserve serve``, which drains its replicas on SIGTERM or Ctrl-C; None: no such process.
+    drain_signal: tuple[str, str] | None = None
 
     # Bounds on one request, so that no client can hold the gateway's memory or event loop, or the shared
     # decode loop, with one oversized request. Going over one is a 413 (the body) or a 400 naming the field.
@@ -91,6 +94,14 @@ class GatewaySettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GatewaySettings.{name} must be an int >= 1, got {value!r}")
+        if self.drain_signal is not None and not (
+            isinstance(self.drain_signal, tuple)
+            and len(self.drain_signal) == 2
+            and all(isinstance(x, str) and x for x in self.drain_signal)
+        ):
+            raise ValueError(
+                f"GatewaySettings.drain_signal must be (namespace, actor name) or None, got {self.drain_signal!r}"
+            )
         if not isinstance(self.dashboard_refresh_ms, int) or self.dashboard_refresh_ms < 250:
             raise ValueError(
                 f"GatewaySettings.dashboard_refresh_ms must be an int >= 250, got {self.dashboard_refresh_ms!r}"

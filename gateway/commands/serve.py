@@ -10,12 +10,14 @@ cluster is started in this process. ``build_serve_app`` is the application build
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -119,6 +121,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-pin-cores", action="store_true", help="do not pin workers to separate cores")
     p.add_argument("--gateway-replicas", type=int, default=1, help="Ray Serve replicas of the HTTP gateway")
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM or Ctrl-C: seconds open requests have to finish while new ones get 503; those still "
+        "open then end with an error",
+    )
     p.add_argument("--name", default="bucketserve", help="prefix of the cluster's Ray actor names")
     p.add_argument("--disable-log-requests", action="store_true", help="no access log line per HTTP request")
     p.add_argument(
@@ -244,6 +253,8 @@ def checked_cluster_config(args: argparse.Namespace, detached: bool = False, qui
         _settings(config, args)
     except ValueError as e:
         raise FlagError(in_flag_terms(parser, str(e))) from None
+    if not 0 <= args.drain_timeout_s < float("inf"):
+        raise FlagError(f"--drain-timeout-s must be a number >= 0, got {args.drain_timeout_s}")
     return replace(config, engine=engine), facts
 
 
@@ -254,21 +265,22 @@ def connect_backend(config):
     return RayClusterBackend(config, launch=False)
 
 
-def _settings(config, args: argparse.Namespace):
+def _settings(config, args: argparse.Namespace, drain_signal: tuple[str, str] | None = None):
     from gateway.settings import GatewaySettings
 
     return GatewaySettings(
         backend_factory=functools.partial(connect_backend, config),
         api_key=args.api_key or None,
         request_timeout_s=args.request_timeout_s,
+        drain_signal=drain_signal,
     )
 
 
-def _gateway_app(config, args: argparse.Namespace):
+def _gateway_app(config, args: argparse.Namespace, drain_signal: tuple[str, str] | None = None):
     import gateway.app
 
     return gateway.app.build_app(
-        _settings(config, args),
+        _settings(config, args, drain_signal),
         num_replicas=args.gateway_replicas,
         logging_config={
             "log_level": args.uvicorn_log_level.upper(),
@@ -336,11 +348,95 @@ def _quiet_ray_driver() -> None:
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
 
 
+class _StartUpSignals:
+    """SIGINT and SIGTERM during start-up interrupt it (KeyboardInterrupt), remembering which came."""
+
+    def __init__(self) -> None:
+        self.received = signal.SIGINT
+        self._held = False
+        self._pending = False
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._interrupt)
+
+    def _interrupt(self, signum: int, _frame: Any) -> None:
+        self.received = signal.Signals(signum)
+        if self._held:
+            self._pending = True
+            return
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def held_while_ray_starts(self) -> Iterator[None]:
+        """While Ray is imported and ``ray.init`` runs, a signal is noted and acted on once they are done: raised
+        inside them, the interrupt can leave a module half imported or Ray half started, or be swallowed (by a
+        fork handler: the server then starts anyway). ``ray.init`` also puts its own SIGTERM handler in place
+        (exit at once), kept out here."""
+        self._held = True
+        try:
+            import ray._private.utils as ray_utils
+
+            original = getattr(ray_utils, "set_sigterm_handler", None)
+            if original is not None:
+                ray_utils.set_sigterm_handler = lambda handler: None
+            try:
+                yield
+            finally:
+                if original is not None:
+                    ray_utils.set_sigterm_handler = original
+        finally:
+            self._held = False
+            # Ray's crash reporter took SIGTERM over at the C level (it dumps a stack, then calls our handler).
+            self.install()
+        if self._pending:
+            raise KeyboardInterrupt
+
+    def interrupted(
+        self, handles=None, gateway: threading.Thread | None = None, ray_started: bool = True
+    ) -> int:
+        """Undo what started; the exit code a shell gives a process ended by the signal (130, 143)."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second signal must not interrupt the clean-up
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print(f"interrupted during start-up ({self.received.name})", file=sys.stderr, flush=True)
+        # CPython notes a KeyboardInterrupt that escaped code run by exec() of a string (dataclasses make their
+        # methods so, at import) as never handled, and under `python -m` then ends the process with SIGINT at exit
+        # instead of with our exit code; the next such exec() clears the note.
+        exec("None")
+        if gateway is not None:
+            # Its Serve calls end before Ray goes: one made after ray.shutdown() would start a new Ray here.
+            gateway.join(timeout=60)
+        if ray_started:
+            _shutdown(handles, drain=False)
+        return 128 + self.received
+
+
+def _wait_for_gateway(name: str, timeout_s: float) -> None:
+    """Wait for the gateway app to be RUNNING, as ``serve.run`` does, but in the main thread, where a signal can
+    interrupt the wait."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        app = serve.status().applications.get(name)
+        if app is not None and app.status == "RUNNING":
+            return
+        if app is not None and app.status == "DEPLOY_FAILED":
+            raise RuntimeError(f"the gateway failed to deploy: {app.message}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the gateway was not running after {timeout_s:.0f}s")
+        time.sleep(0.2)
+
+
 def run(args: argparse.Namespace) -> int:
     from gateway.flags import FlagError, check_port_free
 
     debug = getattr(args, "log_level", "INFO") == "DEBUG"
     t0 = time.perf_counter()
+    # Ctrl-C or SIGTERM during start-up interrupts it (Ctrl-C also when the shell started this process with
+    # SIGINT ignored, a background job, which would otherwise make it deaf to SIGINT until it serves).
+    start_up = _StartUpSignals()
+    start_up.install()
     try:
         args = resolve_settings(args, getattr(args, "command_argv", None))
         config, facts = checked_cluster_config(args, quiet=not debug)
@@ -348,18 +444,23 @@ def run(args: argparse.Namespace) -> int:
     except FlagError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # Ctrl-C during start-up interrupts it, also when the shell started this process with SIGINT ignored (a
-    # background job), which would otherwise make it deaf to SIGINT until it serves.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    from ray import serve
-
-    from gateway.cluster_launch import ensure_ray, launch_cluster
-
-    if not debug:
-        _quiet_ray_driver()
+    except KeyboardInterrupt:
+        return start_up.interrupted(ray_started=False)
     handles = None
+    gateway: threading.Thread | None = None
     try:
-        ensure_ray(config)
+        with start_up.held_while_ray_starts():
+            from ray import serve
+
+            from gateway import drain_signal
+            from gateway.cluster_launch import ensure_ray, launch_cluster
+
+            if not debug:
+                _quiet_ray_driver()
+            ensure_ray(config)
+        # Before the gateway replicas, which follow it from their start (the drain on SIGTERM or Ctrl-C).
+        signal_name = config.actor_name("drain-signal")
+        drainer = drain_signal.launch(signal_name, config.namespace)
         logger.info(
             "loading %s (%s, %s) and warming up %d worker(s)...",
             config.engine.model,
@@ -377,7 +478,13 @@ def run(args: argparse.Namespace) -> int:
                     http_options={"host": args.host, "port": args.port},
                     logging_config={"log_level": "DEBUG" if debug else "WARNING"},
                 )
-                serve.run(_gateway_app(config, args), name="bucketserve", route_prefix="/", blocking=False)
+                app = _gateway_app(config, args, (config.namespace, signal_name))
+                # Deployed without waiting for it to run: the main thread waits (_wait_for_gateway).
+                serve.run_many(
+                    [serve.RunTarget(app, name="bucketserve", route_prefix="/")],
+                    wait_for_ingress_deployment_creation=False,
+                    wait_for_applications_running=False,
+                )
             except BaseException as e:  # re-raised in the main thread
                 gateway_failed.append(e)
 
@@ -387,10 +494,9 @@ def run(args: argparse.Namespace) -> int:
         gateway.join()
         if gateway_failed:
             raise gateway_failed[0]
+        _wait_for_gateway("bucketserve", config.startup_timeout_s)
     except KeyboardInterrupt:
-        print("interrupted during start-up", file=sys.stderr, flush=True)
-        _shutdown(handles, drain=False)
-        return 130
+        return start_up.interrupted(handles, gateway)
     except Exception as e:
         logger.debug("start-up failed", exc_info=True)
         print(f"error: start-up failed: {_one_line(e)}", file=sys.stderr, flush=True)
@@ -398,17 +504,32 @@ def run(args: argparse.Namespace) -> int:
             print("  (--log-level DEBUG shows the full traceback)", file=sys.stderr, flush=True)
         _shutdown(handles, drain=False)
         return 1
+    # The first SIGTERM or Ctrl-C drains the gateway, a second one stops at once.
     stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    force = threading.Event()
+
+    def on_signal(*_: Any) -> None:
+        (force if stop.is_set() else stop).set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
     try:
         for line in _banner(handles, args, time.perf_counter() - t0):
             print(line, flush=True)
         while not stop.wait(1.0):
             pass
+        print(
+            f"draining: new requests get 503, open ones have up to {args.drain_timeout_s:g}s to finish "
+            "(Ctrl-C again to stop at once)",
+            flush=True,
+        )
+        try:
+            print(drain_signal.drain_replicas(drainer, args.drain_timeout_s, force), flush=True)
+        except Exception as e:
+            print(f"drain failed ({_one_line(e)}); stopping anyway", flush=True)
     finally:
         print("stopping...", flush=True)
-        _shutdown(handles)
+        _shutdown(handles, drain=not force.is_set())
         print("stopped.", flush=True)
     return 0
 

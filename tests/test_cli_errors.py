@@ -103,6 +103,12 @@ def test_log_level_after_the_subcommand_and_debug_errors_stay_one_line(tmp_path)
     assert "argument --port: invalid port: 0" in line
 
 
+def test_generate_refuses_an_empty_prompt():
+    assert one_line_error(cli("generate", "--model", "tiny", "--prompt", "")) == (
+        "error: the prompt is empty after tokenization"
+    )
+
+
 def test_generate_refuses_what_does_not_fit_the_context():
     line = one_line_error(
         cli("generate", "--model", "tiny", "--max-model-len", "4", "--max-tokens", "8", "--prompt", "hi")

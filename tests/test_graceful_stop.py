@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import sys
@@ -300,3 +301,31 @@ def test_sigterm_during_start_up_stops_cleanly(tmp_path: Path, moment: str) -> N
     assert left == [], f"processes left behind: {left}"
     assert "interrupted during start-up (SIGTERM)" in log, log[-3000:]
     assert "Traceback" not in log and "Ctrl-C to stop." not in log, log[-3000:]
+
+
+def test_a_signal_whose_interrupt_was_swallowed_still_interrupts_start_up() -> None:
+    """An interrupt raised inside a finaliser is printed as "ignored" and lost; start-up's next check between
+    phases must still see the signal (the server would otherwise start anyway and serve)."""
+    from gateway.commands.serve import _StartUpSignals
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    start_up = _StartUpSignals()
+    try:
+        start_up.install()
+        start_up.check()  # nothing came yet
+
+        class SignalledWhileFinalised:
+            def __del__(self) -> None:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.01)  # the handler runs here, inside the finaliser, and its interrupt is ignored
+
+        SignalledWhileFinalised()  # finalised at once: the interrupt does not reach this frame
+        assert start_up.pending and start_up.received == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):
+            start_up.check()
+        # Handing over to the serving handler does not forget it either.
+        with pytest.raises(KeyboardInterrupt):
+            start_up.hand_over(lambda *_: None)
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -354,6 +354,9 @@ class _StartUpSignals:
     def __init__(self) -> None:
         self.received = signal.SIGINT
         self._held = False
+        # Set by every signal, raised or held: a KeyboardInterrupt raised at an unlucky moment is swallowed (inside
+        # a __del__ or weakref callback run by the garbage collector, Python prints it as "ignored"), so start-up
+        # also checks this flag between its phases instead of trusting the raise alone.
         self._pending = False
 
     def install(self) -> None:
@@ -362,10 +365,25 @@ class _StartUpSignals:
 
     def _interrupt(self, signum: int, _frame: Any) -> None:
         self.received = signal.Signals(signum)
-        if self._held:
-            self._pending = True
-            return
-        raise KeyboardInterrupt
+        self._pending = True
+        if not self._held:
+            raise KeyboardInterrupt
+
+    @property
+    def pending(self) -> bool:
+        return self._pending
+
+    def check(self) -> None:
+        """Between phases: a signal that came, even one whose interrupt was swallowed, interrupts here."""
+        if self._pending:
+            raise KeyboardInterrupt
+
+    def hand_over(self, handler: Callable[[int, Any], None]) -> None:
+        """Start-up is over: ``handler`` takes SIGINT and SIGTERM from now on; a signal that came before it did
+        still counts as one during start-up."""
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, handler)
+        self.check()
 
     @contextlib.contextmanager
     def held_while_ray_starts(self) -> Iterator[None]:
@@ -441,13 +459,22 @@ def run(args: argparse.Namespace) -> int:
         args = resolve_settings(args, getattr(args, "command_argv", None))
         config, facts = checked_cluster_config(args, quiet=not debug)
         check_port_free(args.host, args.port)
+        start_up.check()
     except FlagError as e:
+        if start_up.pending:  # the signal's doing (an import it cut short), not the user's mistake
+            return start_up.interrupted(ray_started=False)
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return start_up.interrupted(ray_started=False)
     handles = None
     gateway: threading.Thread | None = None
+    stop = threading.Event()
+    force = threading.Event()
+
+    def on_signal(*_: Any) -> None:
+        (force if stop.is_set() else stop).set()
+
     try:
         with start_up.held_while_ray_starts():
             from ray import serve
@@ -488,31 +515,28 @@ def run(args: argparse.Namespace) -> int:
             except BaseException as e:  # re-raised in the main thread
                 gateway_failed.append(e)
 
+        start_up.check()
         gateway = threading.Thread(target=start_gateway, name="gateway-start", daemon=True)
         gateway.start()
         handles = launch_cluster(config)
+        start_up.check()
         gateway.join()
         if gateway_failed:
             raise gateway_failed[0]
         _wait_for_gateway("bucketserve", config.startup_timeout_s)
+        # The first SIGTERM or Ctrl-C from here on drains the gateway, a second one stops at once.
+        start_up.hand_over(on_signal)
     except KeyboardInterrupt:
         return start_up.interrupted(handles, gateway)
     except Exception as e:
+        if start_up.pending:  # a failure the signal caused (a wait or an import it cut short)
+            return start_up.interrupted(handles, gateway)
         logger.debug("start-up failed", exc_info=True)
         print(f"error: start-up failed: {_one_line(e)}", file=sys.stderr, flush=True)
         if not debug:
             print("  (--log-level DEBUG shows the full traceback)", file=sys.stderr, flush=True)
         _shutdown(handles, drain=False)
         return 1
-    # The first SIGTERM or Ctrl-C drains the gateway, a second one stops at once.
-    stop = threading.Event()
-    force = threading.Event()
-
-    def on_signal(*_: Any) -> None:
-        (force if stop.is_set() else stop).set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
     try:
         for line in _banner(handles, args, time.perf_counter() - t0):
             print(line, flush=True)

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -50,10 +51,20 @@ class ControllerConfig:
     # Prefill attempts of one request (a decode worker refused or died, a transfer failed) before it fails.
     max_attempts: int = 4
     scheduling: str = "buckets"
+    # The cluster's workers as (role, Ray actor name): a restarted controller finds them by name and rebuilds its
+    # ledger from what they hold (empty: it waits for register_workers, as a first start does).
+    workers: tuple[tuple[str, str], ...] = ()
+    # The most a restarted controller waits for one worker's answer while it rebuilds (a dead or hung one is down).
+    recover_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         check_planning_config(self)
-        for name in ("stats_refresh_s", "plan_interval_s", "stats_max_age_s"):
+        for role, name in self.workers:
+            if role not in ("prefill", "decode") or not name:
+                raise ValueError(
+                    f"ControllerConfig.workers must be (prefill|decode, name) pairs, got {(role, name)!r}"
+                )
+        for name in ("stats_refresh_s", "plan_interval_s", "stats_max_age_s", "recover_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"ControllerConfig.{name} must be > 0, got {value!r}")
@@ -61,6 +72,15 @@ class ControllerConfig:
     def dispatcher_config(self) -> DispatcherConfig:
         """The planning part of this config: what the dispatcher is built from."""
         return DispatcherConfig(**{f.name: getattr(self, f.name) for f in fields(DispatcherConfig)})
+
+
+def _restarted_actor() -> bool:
+    """Whether this process is a Ray actor that Ray has restarted (False when run in place, as the simulator and
+    the tests run the controller)."""
+    if not ray.is_initialized():  # asking for the runtime context would start Ray
+        return False
+    ctx = ray.get_runtime_context()
+    return ctx.worker.mode == ray.WORKER_MODE and ctx.was_current_actor_reconstructed
 
 
 class Controller:
@@ -81,12 +101,31 @@ class Controller:
         self._task: asyncio.Task | None = None
         self._monitor = None
         self._bounds: list[tuple[int, int]] = []
+        # Which life of this actor answers: a gateway that sees it change sends again what it had submitted and
+        # not yet seen dispatched (the queue died with the old life).
+        self.incarnation = uuid.uuid4().hex
+        # Requests each dead worker took down, kept so that every gateway that asks gets the same answer.
+        self._lost_by: dict[str, list[str]] = {}
+        # After a restart (Ray re-creates the actor from the same config), the ledger is rebuilt from the workers
+        # before any call is served.
+        self._restarted = bool(config.workers) and _restarted_actor()
+        self._recovered: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ set-up
     async def register_workers(
         self, prefill: dict[str, tuple[Any, int]], decode: dict[str, tuple[Any, int]]
     ) -> None:
         """Worker id -> (actor handle, KV blocks in its cache)."""
+        if self._restarted:
+            await (
+                self._ready()
+            )  # the launcher's call retried after a restart: the rebuild has registered them
+            return
+        await self._register(prefill, decode)
+
+    async def _register(
+        self, prefill: dict[str, tuple[Any, int]], decode: dict[str, tuple[Any, int]]
+    ) -> None:
         self.dispatcher.set_workers(
             {w: n for w, (_, n) in prefill.items()}, {w: n for w, (_, n) in decode.items()}
         )
@@ -97,13 +136,98 @@ class Controller:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
+    async def _ready(self) -> None:
+        """Every call waits for this: the rebuild after a restart, once (nothing to do on a first start)."""
+        if not self._restarted:
+            return
+        if self._recovered is None:
+            self._recovered = asyncio.get_running_loop().create_task(self._recover())
+        await asyncio.shield(self._recovered)
+
+    async def _recover(self) -> None:
+        """Rebuild the ledger from the workers, found by name: their KV capacity, the batches each prefill worker
+        holds and the requests each decode worker holds. A worker that does not answer is down. The queue is not
+        rebuilt here: the gateways send again what they submitted and have not seen dispatched (``resubmit``)."""
+        t0 = time.monotonic()
+        timeout = self.config.recover_timeout_s
+
+        async def find(name: str) -> tuple[Any, int] | None:
+            try:
+                handle = ray.get_actor(name, namespace=self.config.namespace)
+                info = await asyncio.wait_for(handle.info.remote(), timeout)
+                return handle, info.kv_blocks_total
+            except Exception as e:
+                logger.warning("worker %s did not answer the restarted controller (%s): down", name, e)
+                return None
+
+        found = await asyncio.gather(*(find(name) for _, name in self.config.workers))
+        pools: dict[str, dict[str, tuple[Any, int]]] = {"prefill": {}, "decode": {}}
+        down = []
+        for (role, name), row in zip(self.config.workers, found, strict=True):
+            if row is None:
+                down.append(name)
+                row = (None, 1)
+            pools[role][name] = row
+        await self._register(pools["prefill"], pools["decode"])
+        for name in down:
+            self.dispatcher.mark_down(name)
+
+        async def ask(name: str, method: str) -> Any:
+            try:
+                return await asyncio.wait_for(getattr(self.handles[name], method).remote(), timeout)
+            except Exception as e:
+                logger.warning("worker %s: %s failed after the restart (%s): down", name, method, e)
+                self.dispatcher.mark_down(name)
+                return None
+
+        live = [n for n in pools["prefill"] if n not in down]
+        for name, batches in zip(
+            live, await asyncio.gather(*(ask(n, "held_batches") for n in live)), strict=True
+        ):
+            for batch_id, items in batches or ():
+                self.dispatcher.adopt_batch(name, batch_id, items)
+        live = [n for n in pools["decode"] if n not in down]
+        for name, held in zip(
+            live, await asyncio.gather(*(ask(n, "held_requests") for n in live)), strict=True
+        ):
+            self.dispatcher.adopt_decoding(name, held or {})
+        state = self.dispatcher.state()
+        logger.warning(
+            "controller restarted: ledger rebuilt from %d worker(s) in %.2f s (%d request(s) in the cluster, %s down)",
+            len(self.config.workers),
+            time.monotonic() - t0,
+            state["in_cluster"],
+            down or "none",
+        )
+
     # ------------------------------------------------------------------ requests
     async def submit(self, summary: RequestSummary, payload: object) -> None:
+        await self._ready()
+        if summary.request_id in self.dispatcher:
+            return  # sent again after a restart, or a retried call: already here
         self.dispatcher.submit(summary, payload)
         self._wake.set()
 
+    async def resubmit(self, requests: list[tuple[RequestSummary, object]]) -> int:
+        """A gateway's requests after this controller restarted: queued again unless a worker holds them (they
+        were dispatched before the restart); returns how many were queued again."""
+        await self._ready()
+        queued = 0
+        for summary, payload in requests:
+            if summary.request_id not in self.dispatcher:
+                self.dispatcher.submit(summary, payload)
+                queued += 1
+        if queued:
+            logger.warning("%d request(s) queued again after the restart", queued)
+        self._wake.set()
+        return queued
+
+    async def get_incarnation(self) -> str:
+        return self.incarnation
+
     async def abort(self, request_id: str) -> bool:
         """Remove the request from the queue, or abort it on the workers it was placed on (waits for both)."""
+        await self._ready()
         d = self.dispatcher
         if request_id not in d:
             return False
@@ -124,16 +248,19 @@ class Controller:
 
     async def release(self, request_id: str) -> None:
         """The request has finished (the gateway saw its last output): its decode reservation is free."""
+        await self._ready()
         self.dispatcher.forget(request_id)
         self._wake.set()
 
     async def batch_done(self, prefill_id: str, batch_id: int) -> None:
         """Every request of the batch has left the prefill worker (sent, finished, given back)."""
+        await self._ready()
         self.dispatcher.batch_done(prefill_id, batch_id)
         self._wake.set()
 
     async def requeue(self, request_id: str, reason: str, refused_by: str | None = None) -> bool:
         """A prefilled request could not reach its decode worker: prefill it again (False: give up)."""
+        await self._ready()
         if request_id not in self.dispatcher:
             return False  # aborted or finished meanwhile
         if "unreachable" in reason and refused_by is not None:
@@ -148,6 +275,7 @@ class Controller:
         return True
 
     async def mark_down(self, worker_id: str) -> None:
+        await self._ready()
         self._mark_down(worker_id)
         self._wake.set()
 
@@ -160,7 +288,11 @@ class Controller:
         ever. The caller (a gateway) ends their streams with an error; the ids are forgotten here, so a
         prefill worker that later gives one of them back is told not to retry.
         """
+        await self._ready()
         d = self.dispatcher
+        if worker_id in self._lost_by:
+            # Every gateway asks: each gets the whole list, and ends the streams among them that are its own.
+            return list(self._lost_by[worker_id])
         self._mark_down(worker_id)
         lost, stranded = d.stranded_by(worker_id)
         # The dead prefill worker's batches in flight may or may not have reached their decode worker: end them,
@@ -173,11 +305,13 @@ class Controller:
                     await self.handles[placed[1]].abort.remote(rid)
         lost += [rid for rid in stranded if rid not in lost]
         lost = d.give_up(lost)
+        self._lost_by[worker_id] = lost
         self._wake.set()
         return lost
 
     async def state(self) -> dict:
-        return self.dispatcher.state()
+        await self._ready()
+        return {**self.dispatcher.state(), "incarnation": self.incarnation}
 
     # ------------------------------------------------------------------ internals
     def _mark_down(self, worker_id: str) -> None:

@@ -149,7 +149,11 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ requests
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self.summaries
+        return request_id in self.summaries or request_id in self.placement
+
+    def request_ids(self) -> list[str]:
+        """Every request in the cluster: queued, placed, or adopted after a restart (known by placement only)."""
+        return list(self.summaries) + [rid for rid in self.placement if rid not in self.summaries]
 
     def submit(self, summary: RequestSummary, payload: object = None) -> None:
         rid = summary.request_id
@@ -159,6 +163,43 @@ class Dispatcher:
         self.payloads[rid] = payload
         self.attempts[rid] = 0
         self._enqueue(summary)
+
+    # ------------------------------------------------------------------ rebuilding after a restart
+    def adopt_batch(
+        self, prefill_id: str, batch_id: int, items: Iterable[tuple[RequestSummary, object, str]]
+    ) -> None:
+        """A batch a prefill worker still holds, as a restarted planner learns it from that worker: each item is
+        (summary, payload, decode worker id). Reserves what :meth:`_dispatch` reserved; later batch ids follow it."""
+        p = self.prefill.get(prefill_id)
+        if p is None:
+            return
+        bs = self.config.block_size
+        rids = []
+        for summary, payload, decode_id in items:
+            rid = summary.request_id
+            rids.append(rid)
+            self.summaries[rid] = summary
+            self.payloads[rid] = payload
+            self.attempts.setdefault(rid, 0)
+            p.reserved[rid] = blocks_for(summary.prompt_len, bs)
+            self.placement[rid] = (prefill_id, decode_id)
+            d = self.decode.get(decode_id)
+            if d is not None:
+                need = min(summary.prompt_len + summary.max_tokens, self.config.max_model_len)
+                d.reserved[rid] = blocks_for(need, bs)
+        p.outstanding[batch_id] = tuple(rids)
+        self._batch_seq = max(self._batch_seq, batch_id)
+
+    def adopt_decoding(self, decode_id: str, held: Mapping[str, int]) -> None:
+        """Requests a decode worker holds (announced or running; request id -> blocks it may grow to), as a
+        restarted planner learns them: their reservations stand until they end (:meth:`forget`)."""
+        d = self.decode.get(decode_id)
+        if d is None:
+            return
+        for rid, blocks in held.items():
+            d.reserved[rid] = blocks
+            pid = self.placement.get(rid, ("", decode_id))[0]
+            self.placement[rid] = (pid, decode_id)
 
     def forget(self, request_id: str) -> None:
         """The request has ended (finished, aborted, given up): out of the queue, its decode reservation free."""
@@ -215,7 +256,7 @@ class Dispatcher:
         would otherwise wait for ever); returns the ids forgotten."""
         pools = (self.prefill, self.decode)
         if any(pool and not any(w.alive for w in pool.values()) for pool in pools):
-            lost = list(self.summaries)
+            lost = self.request_ids()
         for rid in lost:
             self.forget(rid)
         return lost
@@ -297,7 +338,7 @@ class Dispatcher:
             "buckets": self.queue.bounds(),
             "bucket_sizes": self.queue.sizes(),
             "batches": self.batches,
-            "in_cluster": len(self.summaries),
+            "in_cluster": len(self.request_ids()),
             "prefill": {
                 w.worker_id: {
                     "reserved": w.reserved_blocks(),

@@ -81,6 +81,12 @@ class DecodeWorker(EngineWorker):
         self._aborts.put((request_id, done))
         return done.wait(wait_s)
 
+    def held_requests(self) -> dict[str, int]:
+        """Requests announced or running here (request id -> blocks each may grow to), without aborted ones: what
+        a restarted controller rebuilds this worker's reservations from."""
+        with self._lock:
+            return {rid: n for rid, n in self._reserved.items() if rid not in self._tombstones}
+
     def stats(self) -> dict:
         return {**super().stats(), "expected": len(self._expected), "transport": self.transport.stats()}
 

@@ -27,7 +27,6 @@ import ray
 from ray.actor import ActorHandle
 
 from bucket_manager.memory_budget import safe_blocks
-from bucket_manager.request import PriorityClass, RequestSummary
 from engine.request import FinishReason, Request, RequestOutput
 from gateway.backend import ModelInfo, Overloaded, Rejected, ServingBackend, Unavailable
 from gateway.cluster_launch import (
@@ -46,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 # The most a clean-up call (release, abort) may take; the controller's abort itself waits up to 2 s on each worker.
 CALL_TIMEOUT_S = 10.0
+# How often each gateway asks which life of the controller answers (a restart is noticed within about this).
+CONTROLLER_WATCH_S = 0.5
 
 
 class _Stream:
@@ -57,6 +58,7 @@ class _Stream:
         self.pending: dict[int, RequestOutput] = {}
         self.worker: ActorHandle[EngineWorker] | None = None  # colocated mode: the worker that runs it
         self.worker_name: str | None = None
+        self.message: RequestMessage | None = None  # disaggregated mode: what was submitted to the controller
 
     def push(self, out: RequestOutput) -> None:
         n = len(out.new_token_ids)
@@ -109,6 +111,10 @@ class RayClusterBackend(ServingBackend):
         # Per worker: the sequence number of the last drain answer received (acknowledged with the next call).
         self._acks: dict[str, int] = {}
         self._closed = False
+        # The controller's life this gateway submitted to; when another answers, the queue died with the old one.
+        self._incarnation: str | None = None
+        if self.handles.controller is not None:
+            self._incarnation = ray.get(self.handles.controller.get_incarnation.remote(), timeout=60)
 
     @property
     def startup_s(self) -> float:
@@ -205,17 +211,8 @@ class RayClusterBackend(ServingBackend):
             stream.worker_name = name
             await handle.submit.remote(msg)
             return
-        summary = RequestSummary(
-            request_id=msg.request_id,
-            prompt_len=msg.num_prompt_tokens,
-            max_tokens=msg.sampling.max_tokens,
-            priority_class=PriorityClass(msg.priority_class),
-            priority=msg.priority,
-            arrival=msg.arrival_unix,
-            ttft_slo_ms=msg.slo_ttft_ms,
-            tpot_slo_ms=msg.slo_tpot_ms,
-        )
-        await self.handles.controller.submit.remote(summary, msg)
+        stream.message = msg  # sent again should the controller restart before it dispatched the request
+        await self.handles.controller.submit.remote(msg.summary(), msg)
 
     async def _release(self, rid: str) -> None:
         if self.handles.controller is not None:
@@ -315,6 +312,42 @@ class RayClusterBackend(ServingBackend):
             loop.create_task(self._poll(n, w.handle), context=contextvars.Context())
             for n, w in self.handles.workers.items()
         ]
+        if self.handles.controller is not None:
+            self._pollers.append(loop.create_task(self._watch_controller(), context=contextvars.Context()))
+
+    async def _watch_controller(self) -> None:
+        """Notice a restarted controller (Ray brings it back from its config; it rebuilds its ledger from the
+        workers) and send it again this gateway's requests that have not produced a token yet: those still queued
+        died with the old one's queue, and those a worker holds it already knows (and ignores)."""
+        controller = self.handles.controller
+        while not self._closed:
+            try:
+                now = await asyncio.wait_for(controller.get_incarnation.remote(), CALL_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # dead, or restarting: calls wait for its return
+                logger.debug("controller watch: %s: %s", type(e).__name__, e)
+                await asyncio.sleep(CONTROLLER_WATCH_S)
+                continue
+            if now != self._incarnation:
+                logger.warning(
+                    "the controller restarted; sending it this gateway's requests not yet under way"
+                )
+                self._incarnation = now
+                waiting = [
+                    (s.message.summary(), s.message)
+                    for s in list(self._streams.values())
+                    if s.message is not None and s.delivered == 0
+                ]
+                if waiting:
+                    try:
+                        await asyncio.wait_for(controller.resubmit.remote(waiting), CALL_TIMEOUT_S)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as e:
+                        logger.error("could not send requests again to the restarted controller: %s", e)
+                        self._incarnation = None  # try again at the next look
+            await asyncio.sleep(CONTROLLER_WATCH_S)
 
     async def _declare_down(self, name: str, why: str, hung: ActorHandle[EngineWorker] | None = None) -> None:
         """``name`` is down (``why``: "died", "stopped answering ..."): once, end what it held with an error."""

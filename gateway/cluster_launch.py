@@ -337,6 +337,7 @@ def controller_config(config: ClusterConfig, info: WorkerInfo) -> ControllerConf
         policy=config.policy,
         max_batches_per_prefill_worker=config.max_batches_per_prefill_worker,
         scheduling=config.scheduling,
+        workers=tuple((role, name) for role, name in config.worker_ids() if role in ("prefill", "decode")),
     )
 
 
@@ -358,6 +359,11 @@ def _launch_controller(handles: ClusterHandles, life: dict[str, str]) -> ActorHa
             namespace=config.namespace,
             num_cpus=0,
             max_concurrency=1000,
+            # A dead controller comes back from the same config and rebuilds its ledger from the workers; calls
+            # made meanwhile wait for it (their callers bound each wait), and the gateways send again what its
+            # queue held.
+            max_restarts=-1,
+            max_task_retries=-1,
             **life,
         )
         .remote(controller_config(config, handles.engine_info()))

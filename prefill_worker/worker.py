@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
+from bucket_manager.request import RequestSummary
 from engine.request import FinishReason, Request, RequestOutput
 from kv_transfer import KVTransferError
 from kv_transfer.streaming import LayerStreamer
@@ -42,6 +43,8 @@ class PrefillWorker(EngineWorker):
         self._cond = threading.Condition()
         self._queue: collections.deque[tuple[int, list[tuple[RequestMessage, str]]]] = collections.deque()
         self._in_progress = 0  # batches taken off the queue whose transfers are not all done
+        # Every batch held here, queued or in progress, until its batch_done: what a restarted controller adopts.
+        self._held: dict[int, list[tuple[RequestMessage, str]]] = {}
         self._streamed = 0  # transfers that went layer by layer during their prefill and were acknowledged
         self._peers: dict[str, DecodePeer] = {}  # by decode worker id
         self._tombstones: dict[str, float] = {}
@@ -59,7 +62,17 @@ class PrefillWorker(EngineWorker):
         """A batch planned by the controller: (request, decode worker id) pairs, run after those queued."""
         with self._cond:
             self._queue.append((batch_id, list(items)))
+            self._held[batch_id] = list(items)
             self._cond.notify_all()
+
+    def held_batches(self) -> list[tuple[int, list[tuple[RequestSummary, RequestMessage, str]]]]:
+        """The batches held here, queued or in progress, each (batch id, [(summary, request, decode worker id)]),
+        without the aborted requests: what a restarted controller rebuilds its ledger from."""
+        with self._cond:
+            return [
+                (bid, [(m.summary(), m, d) for m, d in items if m.request_id not in self._tombstones])
+                for bid, items in self._held.items()
+            ]
 
     def abort(self, request_id: str) -> bool:
         """Forget the request: dropped if still queued, its blocks freed if its KV is being sent."""
@@ -226,6 +239,7 @@ class PrefillWorker(EngineWorker):
                 streamer.finish()  # ends whatever is left (e.g. requests aborted meanwhile)
             with self._cond:
                 self._in_progress -= 1
+                self._held.pop(batch_id, None)
             controller = self._get_controller()
             if controller is not None:
                 controller.batch_done.remote(self.config.worker_id, batch_id)

@@ -176,3 +176,53 @@ def test_the_dispatcher_is_pure() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_restarted_dispatcher_adopts_what_the_workers_hold_and_frees_it_as_they_finish():
+    """The ledger of a fresh dispatcher rebuilt from the workers (as a restarted controller does) reserves exactly
+    what the old one had reserved for those requests, and gives every block back as they end."""
+    old = dispatcher(decode=2, blocks=200)
+    for i in range(6):
+        old.submit(req(i, prompt=40 + i, out=30))
+    batches = old.plan(now=10.0)
+    assert batches
+    held_batches = [
+        (b.prefill_id, b.batch_id, [(old.summaries[r], f"payload-{r}", b.decode_id) for r in b.request_ids])
+        for b in batches
+    ]
+    # The first batch has reached its decode worker (announced there); the prefill worker still holds them all.
+    first = batches[0]
+    decoding = {first.decode_id: {r: old.decode[first.decode_id].reserved[r] for r in first.request_ids}}
+
+    new = dispatcher(decode=2, blocks=200)
+    for pid, bid, items in held_batches:
+        new.adopt_batch(pid, bid, items)
+    for did, held in decoding.items():
+        new.adopt_decoding(did, held)
+    assert new.state()["prefill"] == old.state()["prefill"]
+    assert new.state()["decode"] == old.state()["decode"]
+    assert new.state()["in_cluster"] == old.state()["in_cluster"] == 6
+    assert all(r in new for b in batches for r in b.request_ids)
+    # A request decoding on a worker no prefill worker holds any more is adopted by placement alone.
+    new.adopt_decoding("d1", {"gone-from-prefill": 5})
+    assert "gone-from-prefill" in new and new.decode["d1"].reserved["gone-from-prefill"] == 5
+    new.forget("gone-from-prefill")
+    # New batches number after the adopted ones: a late batch_done of an old batch never ends a new one.
+    new.submit(req(99, prompt=20, out=5))
+    for b in batches:
+        new.batch_done(b.prefill_id, b.batch_id)
+    (after,) = new.plan(now=11.0)
+    assert after.batch_id > max(b.batch_id for b in batches)
+    new.batch_done(after.prefill_id, after.batch_id)
+    for rid in [r for b in batches for r in b.request_ids] + ["r99"]:
+        new.forget(rid)
+    state = new.state()
+    assert state["in_cluster"] == 0
+    assert all(w["reserved"] == 0 and w["outstanding"] == 0 for w in state["prefill"].values()), state
+    assert all(w["reserved"] == 0 for w in state["decode"].values()), state
+    # Adopted requests can be given back for another prefill (their payload came with them).
+    again = dispatcher(blocks=200)
+    again.adopt_batch("p0", 7, [(req(1), "payload-r1", "d0")])
+    assert again.requeue("r1") and again.payloads["r1"] == "payload-r1"
+    (redo,) = again.plan(now=12.0)
+    assert redo.payloads == ("payload-r1",) and redo.batch_id == 8

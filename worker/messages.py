@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from bucket_manager.request import RequestSummary
 from engine.request import PriorityClass, Request, SamplingParams
 
 
@@ -67,6 +68,19 @@ class RequestMessage:
             slo_tpot_ms=self.slo_tpot_ms,
             arrival_time=time.monotonic() - max(0.0, time.time() - self.arrival_unix),
             eos_token_id=self.eos_token_id,
+        )
+
+    def summary(self) -> RequestSummary:
+        """What the controller plans with (it never sees the prompt itself)."""
+        return RequestSummary(
+            request_id=self.request_id,
+            prompt_len=self.num_prompt_tokens,
+            max_tokens=self.sampling.max_tokens,
+            priority_class=PriorityClass(self.priority_class),
+            priority=self.priority,
+            arrival=self.arrival_unix,
+            ttft_slo_ms=self.slo_ttft_ms,
+            tpot_slo_ms=self.slo_tpot_ms,
         )
 
     @property

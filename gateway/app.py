@@ -382,6 +382,15 @@ class GatewayDeployment:
             self._drain_follower.follow(app.state.drain)
         return app
 
+    async def check_health(self) -> None:
+        """Ray Serve calls this every ``health_check_period_s``; a replica that fails it is replaced. It fails when
+        the cluster's actors it talks to were replaced (the cluster was launched again under the same names):
+        its successor connects to the running ones. An unready cluster (a worker down, warming up) does not fail
+        it: a new replica would see the same, and ``/health`` already reports it."""
+        stale = await self._backend.stale_actors()
+        if stale:
+            raise RuntimeError(f"the cluster's actors {stale} were replaced; this replica must reconnect")
+
     async def __del__(self) -> None:
         if self._drain_follower is not None:
             self._drain_follower.close()

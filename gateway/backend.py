@@ -110,5 +110,11 @@ class ServingBackend(abc.ABC):
         Failures here are logged by the gateway and never reach the client.
         """
 
+    async def stale_actors(self) -> list[str]:
+        """Names of the cluster's actors that this backend holds and that are no longer the ones running under those
+        names (the cluster was stopped and launched again): a gateway replica with any must be replaced, and the
+        new one connects to the running actors. None for a backend that owns what it serves."""
+        return []
+
     async def shutdown(self) -> None:  # noqa: B027 - optional
         pass

@@ -275,6 +275,25 @@ class RayClusterBackend(ServingBackend):
             "in_flight": len(self._streams),
         }
 
+    async def stale_actors(self) -> list[str]:
+        held = {self.config.actor_name("monitor"): self.handles.monitor}
+        held |= {name: w.handle for name, w in self.handles.workers.items()}
+        if self.handles.controller is not None:
+            held[self.config.actor_name("controller")] = self.handles.controller
+
+        def lookup() -> list[str]:
+            stale = []
+            for name, handle in held.items():
+                try:
+                    running = ray.get_actor(name, namespace=self.config.namespace)
+                except ValueError:  # none under that name: nothing newer to connect to
+                    continue
+                if running != handle:  # handles compare by actor id
+                    stale.append(name)
+            return stale
+
+        return await asyncio.to_thread(lookup)
+
     async def metrics_text(self) -> str:
         return await self.handles.monitor.metrics_text.remote(self._info.name)
 

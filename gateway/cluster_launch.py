@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -411,6 +412,41 @@ def connect_cluster(config: ClusterConfig) -> ClusterHandles:
                 )
             time.sleep(0.1)
     return ClusterHandles(config, monitor, controller, workers, infos, False)
+
+
+def stop_running(config: ClusterConfig) -> list[str]:
+    """Stop the actors a cluster of this name left running in its namespace (a redeploy of a detached cluster, or
+    one whose launcher died): workers are asked to shut down first, then every actor is killed. Returns their
+    names; the names are free for a new launch once this returns."""
+    prefix = f"{config.name}:"
+    names = sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == config.namespace and a["name"].startswith(prefix)
+    )
+    found = {}
+    for name in names:
+        with contextlib.suppress(ValueError):  # gone meanwhile
+            found[name] = ray.get_actor(name, namespace=config.namespace)
+    workers = [h for n, h in found.items() if n.split(":", 1)[1].split("-")[0] in _CLASSES]
+    for handle in workers:
+        with contextlib.suppress(Exception):
+            ray.get(handle.shutdown.remote(), timeout=10)
+    for handle in found.values():
+        with contextlib.suppress(Exception):
+            ray.kill(handle)
+    deadline = time.monotonic() + 30
+    while any(_named(n, config.namespace) for n in found) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return list(found)
+
+
+def _named(name: str, namespace: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=namespace)
+        return True
+    except ValueError:
+        return False
 
 
 def stop_cluster(handles: ClusterHandles) -> None:

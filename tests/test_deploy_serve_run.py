@@ -6,6 +6,7 @@ stops only what this test started); the YAML is the repository's file with only 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import os
@@ -160,3 +161,48 @@ def test_a_cluster_too_small_for_its_workers_fails_at_once(ray_session):
         launch_cluster(config)
     with pytest.raises(ValueError, match="toosmall:monitor"):  # nothing was started
         ray_session.get_actor(config.actor_name("monitor"), namespace=config.namespace)
+
+
+def test_a_redeploy_replaces_the_cluster_the_last_build_left_running(ray_session):
+    """``serve run`` again, or ``serve deploy`` of a changed config: the second build stops the detached actors of
+    the first and launches anew (their names were taken); a gateway still holding the old ones reports them
+    stale, so Serve's health check replaces it, and a new one connects to the running cluster."""
+    import ray
+
+    from gateway.cluster_backend import RayClusterBackend
+    from gateway.cluster_launch import stop_running
+    from gateway.commands.serve import _serve_parser, build_serve_app, checked_cluster_config, config_values
+
+    cli_args = {
+        "model": "tiny",
+        "name": "redeploy",
+        "skip_warmup": True,
+        "num_blocks": 64,
+        "max_model_len": 256,
+        "worker_num_cpus": 0.5,
+    }
+    parser = _serve_parser()
+    parser.set_defaults(**config_values(cli_args, "test"))
+    config, _ = checked_cluster_config(parser.parse_args([]), detached=True)
+    names = [config.actor_name("monitor"), config.actor_name("controller")] + [
+        n for _, n in config.worker_ids()
+    ]
+    try:
+        build_serve_app(cli_args)
+        first = {n: ray.get_actor(n, namespace=config.namespace) for n in names}
+        old_gateway = RayClusterBackend(config, launch=False)
+        assert asyncio.run(old_gateway.stale_actors()) == []
+        build_serve_app(dict(cli_args, max_model_len=128))  # no "name already taken"
+        second = {n: ray.get_actor(n, namespace=config.namespace) for n in names}
+        assert all(second[n] != first[n] for n in names)
+        assert sorted(asyncio.run(old_gateway.stale_actors())) == sorted(names)
+        new_gateway = RayClusterBackend(config, launch=False)
+        assert asyncio.run(new_gateway.stale_actors()) == []
+        assert new_gateway.model_info().max_model_len == 128  # the new config's cluster
+        assert asyncio.run(new_gateway.health())["ready"] is True
+    finally:
+        stopped = stop_running(config)
+    assert sorted(stopped) == sorted(names)
+    for n in names:
+        with pytest.raises(ValueError):
+            ray.get_actor(n, namespace=config.namespace)

@@ -292,12 +292,19 @@ def _gateway_app(config, args: argparse.Namespace, drain_signal: tuple[str, str]
 def build_serve_app(cli_args: dict[str, Any]):
     """Application builder for ``serve run``: ``cli_args`` holds the same keys as the config file, read through
     the same parser (types, choices, one-line errors)."""
-    from gateway.cluster_launch import launch_cluster
+    from gateway.cluster_launch import ensure_ray, launch_cluster, stop_running
 
     parser = _serve_parser()
     parser.set_defaults(**config_values(cli_args, "serve config args"))
     args = parser.parse_args([])
     config, _ = checked_cluster_config(args, detached=True)
+    ensure_ray(config)
+    # A redeploy (changed config, an upgrade, serve run again) replaces the cluster its last build left running:
+    # the config may differ, and its detached actors hold the names. The old gateway replicas fail their health
+    # check against the new actors and are replaced too.
+    replaced = stop_running(config)
+    if replaced:
+        logger.warning("replacing the running cluster %r (%d actors stopped)", config.name, len(replaced))
     launch_cluster(config)
     return _gateway_app(config, args)
 

@@ -262,7 +262,17 @@ def launch_cluster(config: ClusterConfig) -> ClusterHandles:
     life = {"lifetime": "detached"} if config.detached else {}
     monitor = (
         ray.remote(Monitor)
-        .options(name=config.actor_name("monitor"), namespace=ns, num_cpus=0, max_concurrency=8, **life)
+        .options(
+            name=config.actor_name("monitor"),
+            namespace=ns,
+            num_cpus=0,
+            max_concurrency=8,
+            # A dead monitor comes back from its config (its store: Redis keeps the history, memory starts
+            # empty); the workers' next heartbeats fill its worker table again. Reports sent while it was down
+            # are dropped, not retried: they are fire-and-forget and the next ones supersede them.
+            max_restarts=-1,
+            **life,
+        )
         .remote(config.monitor)
     )
     workers: dict[str, WorkerActor] = {}

@@ -56,6 +56,9 @@ def test_controller_killed_under_load_comes_back_and_every_request_completes(ray
             return queued_at_kill, rebuilt_s, results, new
 
         queued_at_kill, rebuilt_s, results, new = asyncio.run(run())
+        print(
+            f"controller back and rebuilt {rebuilt_s:.2f} s after the kill; {queued_at_kill} request(s) were queued"
+        )
         assert queued_at_kill >= 1
         assert rebuilt_s < REBUILD_S
         by_id = {r.request_id: r for r in reqs}
@@ -112,3 +115,34 @@ def test_a_dead_worker_ends_the_requests_of_every_gateway(ray_session):
     finally:
         asyncio.run(second.shutdown())
         asyncio.run(first.shutdown())
+
+
+def test_monitor_killed_comes_back_and_the_workers_report_to_it_again(ray_session):
+    backend = RayClusterBackend(cluster_config("disaggregated", "mon-restart"))
+    monitor = backend.handles.monitor
+    try:
+        assert asyncio.run(collect(backend, make_request("mon0", 20, 4, seed=14))).error is None
+        ray.kill(monitor, no_restart=False)
+        killed_at = time.monotonic()
+
+        async def after() -> tuple[float, str]:
+            while True:
+                with_workers = ""
+                try:
+                    text = await asyncio.wait_for(backend.metrics_text(), 2.0)
+                    if all(f'worker_id="{n}"' in text for n in backend.handles.workers):
+                        with_workers = text
+                except (TimeoutError, ray.exceptions.RayActorError):
+                    pass
+                if with_workers:
+                    return time.monotonic() - killed_at, with_workers
+                assert time.monotonic() - killed_at < REBUILD_S + 10, "the monitor did not come back"
+                await asyncio.sleep(0.2)
+
+        back_s, text = asyncio.run(after())
+        print(f"monitor back with every worker's series {back_s:.2f} s after the kill")
+        assert "bucketserve:worker_up" in text
+        # Serving never depended on it, and does not now.
+        assert asyncio.run(collect(backend, make_request("mon1", 20, 4, seed=15))).error is None
+    finally:
+        asyncio.run(backend.shutdown())

@@ -22,6 +22,8 @@ from multiprocessing import shared_memory
 
 import torch
 
+from engine.shm_segment import create_segment
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -109,7 +111,7 @@ class KVCache:
 
     def _shared_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-        shm = shared_memory.SharedMemory(create=True, size=nbytes)  # a new segment reads as zeros
+        shm = create_segment(nbytes)  # a new segment reads as zeros
         self.shm_name = shm.name
         # The tensor borrows shm.buf, so the segment cannot be closed while it lives; unlinking the
         # name when the cache is collected (or at exit, by the resource tracker) leaves peers'

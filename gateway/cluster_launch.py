@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, NamedTuple
 
 import ray
@@ -252,8 +253,18 @@ _QUIET_ENV = {"env_vars": {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": 
 _CLASSES = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker}
 
 
+def with_kv_token(config: ClusterConfig) -> ClusterConfig:
+    """``config`` with a KV auth token: its own, or a random one made for this cluster, so that the workers' KV
+    endpoints never answer a caller without it."""
+    if config.transfer.auth_token:
+        return config
+    return replace(config, transfer=replace(config.transfer, auth_token=secrets.token_urlsafe(32)))
+
+
 def launch_cluster(config: ClusterConfig) -> ClusterHandles:
-    """Start monitor, workers and controller; return when every worker has loaded and warmed its model."""
+    """Start monitor, workers and controller; return when every worker has loaded and warmed its model. The
+    returned handles' config holds the KV token every worker was given."""
+    config = with_kv_token(config)
     ensure_ray(config)
     # Before any actor exists: a failed build under `serve run` is retried, and must fail the same way.
     check_cluster_cpus(config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -9,6 +10,28 @@ from pathlib import Path
 # both ends in one process and ``torch_dist`` a process group with ranks; they stay for the engine
 # API and their contract tests, but the cluster launcher does not offer them.
 CLUSTER_TRANSPORTS = ("grpc", "shm")
+
+
+# Longest auth token accepted: it travels in every call's metadata.
+MAX_TOKEN_CHARS = 1024
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (``localhost``, 127.0.0.0/8, ``::1``): only this host can reach it."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` means every address of this host (``0.0.0.0``, ``::``)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
 
 
 def _positive(obj: object, *names: str) -> None:
@@ -48,7 +71,10 @@ class TransferConfig:
     # Chunks a sender may have queued but not yet handed to the transport (bounded memory).
     max_inflight_chunks: int = 4
     verify_checksums: bool = True
-    # Optional shared secret: the receiver refuses requests without it.
+    # Where the receiving endpoint listens. Any address other than a loopback one needs TLS (tls_cert_file and
+    # tls_key_file): KV and the token would otherwise cross the network in the clear.
+    host: str = "127.0.0.1"
+    # Shared secret: the receiver refuses every call without it (the cluster launcher always sets one).
     auth_token: str | None = None
     # TLS when both are set (server); tls_ca_file alone is enough for a client.
     tls_cert_file: str | None = None
@@ -63,6 +89,9 @@ class TransferConfig:
     shm_ring_bytes: int = 64 << 20
     # Largest gRPC message accepted; must exceed chunk_bytes plus header.
     max_message_bytes: int = 64 << 20
+    # Senders' shared-memory segments a receiver keeps mapped (two per prefill worker: its ring and its KV
+    # cache); past it the least recently used is let go, so no caller can make it map without limit.
+    max_shm_segments: int = 64
 
     def __post_init__(self) -> None:
         _positive(
@@ -77,6 +106,7 @@ class TransferConfig:
             "max_inflight_chunks",
             "shm_ring_bytes",
             "max_message_bytes",
+            "max_shm_segments",
         )
         if self.max_retries < 0:
             raise ValueError(f"TransferConfig.max_retries must be >= 0, got {self.max_retries}")
@@ -91,13 +121,39 @@ class TransferConfig:
                 f"(shm_chunk_bytes {self.shm_chunk_bytes})"
             )
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("TransferConfig.tls_cert_file and tls_key_file must be set together")
+            raise ValueError(
+                "TransferConfig.tls_cert_file and TransferConfig.tls_key_file must be set together"
+            )
         for name in ("tls_cert_file", "tls_key_file", "tls_ca_file"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"TransferConfig.{name}: no such file {path!r}")
-        if self.auth_token is not None and not self.auth_token:
-            raise ValueError("TransferConfig.auth_token must be non-empty when set")
+        self._check_token()
+        self._check_host()
+
+    def _check_token(self) -> None:
+        token = self.auth_token
+        if token is None:
+            return
+        # It goes into gRPC metadata as it is: printable ASCII only, and no space (the header is "Bearer <token>").
+        if not isinstance(token, str) or not token:
+            raise ValueError("TransferConfig.auth_token must be a non-empty string when set")
+        if len(token) > MAX_TOKEN_CHARS:
+            raise ValueError(
+                f"TransferConfig.auth_token must be at most {MAX_TOKEN_CHARS} characters, got {len(token)}"
+            )
+        if not all("!" <= c <= "~" for c in token):
+            raise ValueError("TransferConfig.auth_token must be printable ASCII without spaces")
+
+    def _check_host(self) -> None:
+        host = self.host
+        if not isinstance(host, str) or not host.strip() or any(c.isspace() for c in host):
+            raise ValueError(f"TransferConfig.host must be an address or host name, got {host!r}")
+        if not is_loopback(host) and not (self.tls_cert_file and self.tls_key_file):
+            raise ValueError(
+                f"TransferConfig.host {host} is not a loopback address: serving KV there needs TLS "
+                "(TransferConfig.tls_cert_file and TransferConfig.tls_key_file)"
+            )
 
     @classmethod
     def from_dict(cls, values: dict) -> TransferConfig:

@@ -47,7 +47,7 @@ class KVService:
     def __init__(self, transport: KVTransport) -> None:
         self.transport = transport
         self.rx = transport.receiver
-        self.segments = ShmAttachments()
+        self.segments = ShmAttachments(transport.config.max_shm_segments)
 
     def handshake(self, req: pb.HandshakeRequest, context: grpc.ServicerContext) -> pb.HandshakeReply:
         fp = req.fingerprint
@@ -97,8 +97,8 @@ class KVService:
         rid = request_id_of(context)
         try:
             for header, _ in chunks:
-                seg = self.segments.get(header.shm_name)
-                payload = seg.buf[header.shm_offset : header.shm_offset + header.nbytes]
+                buf = self._segment(header.shm_name, rid)
+                payload = buf[header.shm_offset : header.shm_offset + header.nbytes]
                 if header.request_id != rid or len(payload) != header.nbytes:
                     raise KVTransferError(TransferStatus.INVALID, "bad shared-memory chunk header", rid)
                 self.rx.write(info_from_pb(header), payload)
@@ -107,9 +107,21 @@ class KVService:
             status, final, detail = self.rx.end_stream(rid)
             yield pb.SlotRelease(ack=make_ack(status, rid, detail, final))
         except KVTransferError as e:
+            self.rx.fail(rid, e.status, e.detail)  # its blocks come back at once (a no-op when already freed)
             yield pb.SlotRelease(ack=make_ack(e.status, rid, e.detail))
         except Exception as e:
             self.rx.fail(rid, TransferStatus.ABORTED, f"stream broken: {e!r}")
+
+    def _segment(self, name: str, rid: str) -> memoryview:
+        """The sender's segment named in a chunk header; a name not of our pattern is never opened."""
+        try:
+            return self.segments.get(name).buf
+        except KVTransferError as e:
+            raise KVTransferError(e.status, e.detail, rid) from None
+        except OSError as e:
+            raise KVTransferError(
+                TransferStatus.INVALID, f"cannot open shared-memory segment {name!r}: {e.strerror or e}", rid
+            ) from None
 
     def abort(self, req: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortReply:
         return pb.AbortReply(found=self.transport.abort(req.request_id, req.reason or "aborted by peer"))

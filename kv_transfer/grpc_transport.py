@@ -20,27 +20,43 @@ import grpc
 from proto import kv_transfer_pb2 as pb
 
 from .base import KVTransport, SenderSession, register_transport
+from .config import is_loopback
 from .grpc_codes import HS_TO_STATUS, RID_KEY, SERVICE, rpc_error
 from .grpc_service import AuthInterceptor, KVService
 from .grpc_sessions import GrpcSession, ShmSession
 from .shm import ShmRing, node_id
 from .types import Handshake, HandshakeResult, KVTransferError, TransferStatus
-from .wire import block_layer_bytes
+from .wire import block_layer_bytes, fingerprint_pb
 
 log = logging.getLogger(__name__)
 
 
+def _bracketed(host: str) -> str:
+    """``host`` as the host part of a gRPC target (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 @register_transport("grpc")
 class GrpcKVTransport(KVTransport):
-    """gRPC backend. ``host``/``port`` say where :meth:`serve` listens (port 0: any free port).
-    With ``config.same_node_fast_path`` a peer on the same node is reached through shared memory."""
+    """gRPC backend. ``host``/``port`` say where :meth:`serve` listens (host None: ``config.host``; port 0: any
+    free port); ``advertise_host`` is the address peers are told to dial (None: ``host``), needed when ``host``
+    is a wildcard such as ``0.0.0.0``. With ``config.same_node_fast_path`` a peer on the same node is reached
+    through shared memory."""
 
     force_shm = False
 
-    def __init__(self, *args, host: str = "127.0.0.1", port: int = 0, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        host: str | None = None,
+        port: int = 0,
+        advertise_host: str | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self.host = host
+        self.host = host if host is not None else self.config.host
         self.port = port
+        self.advertise_host = advertise_host or self.host
         self._server: grpc.Server | None = None
         self._service: KVService | None = None
         self._channels: dict[tuple[str, int], grpc.Channel] = {}
@@ -66,6 +82,11 @@ class GrpcKVTransport(KVTransport):
     # -- server -----------------------------------------------------------------------------------
     def _serve(self) -> str:
         cfg = self.config
+        if not is_loopback(self.host) and not (cfg.tls_cert_file and cfg.tls_key_file):
+            raise KVTransferError(
+                TransferStatus.INVALID,
+                f"refusing to serve KV on {self.host} without TLS (not a loopback address)",
+            )
         interceptors = [AuthInterceptor(cfg.auth_token)] if cfg.auth_token else []
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kv-rx"),
@@ -74,7 +95,7 @@ class GrpcKVTransport(KVTransport):
         )
         self._service = KVService(self)
         self._server.add_generic_rpc_handlers((self._service.handler(),))
-        target = f"{self.host}:{self.port}"
+        target = f"{_bracketed(self.host)}:{self.port}"
         if cfg.tls_cert_file and cfg.tls_key_file:
             creds = grpc.ssl_server_credentials(
                 [(Path(cfg.tls_key_file).read_bytes(), Path(cfg.tls_cert_file).read_bytes())]
@@ -83,15 +104,17 @@ class GrpcKVTransport(KVTransport):
         else:
             port = self._server.add_insecure_port(target)
         self._server.start()
-        return f"{self.host}:{port}"
+        return f"{_bracketed(self.advertise_host)}:{port}"
 
     # -- client -----------------------------------------------------------------------------------
     def channel(self, peer: str, index: int = 0) -> grpc.Channel:
         with self.lock:
             ch = self._channels.get((peer, index))
             if ch is None:
-                if self.config.tls_ca_file:
-                    creds = grpc.ssl_channel_credentials(Path(self.config.tls_ca_file).read_bytes())
+                roots = self.config.tls_ca_file or self.config.tls_cert_file
+                if roots:
+                    # Without a CA file, a certificate of our own is trusted (a self-signed one shared by the cluster).
+                    creds = grpc.ssl_channel_credentials(Path(roots).read_bytes())
                     ch = grpc.secure_channel(peer, creds, options=self._options())
                 else:
                     ch = grpc.insecure_channel(peer, options=self._options())
@@ -146,16 +169,9 @@ class GrpcKVTransport(KVTransport):
 
     def _connect(self, peer: str, hs: Handshake) -> tuple[HandshakeResult, SenderSession | None]:
         route = self.route(peer)
-        fp = hs.fingerprint
         req = pb.HandshakeRequest(
             request_id=hs.request_id,
-            fingerprint=pb.ModelFingerprint(
-                architecture=fp["architecture"],
-                dtype=fp["dtype"],
-                num_layers=fp["num_layers"],
-                num_kv_heads=fp["num_kv_heads"],
-                head_dim=fp["head_dim"],
-            ),
+            fingerprint=fingerprint_pb(hs.fingerprint),
             sender_block_size=hs.sender_block_size,
             num_tokens=hs.num_tokens,
             first_token=hs.first_token,

@@ -6,26 +6,42 @@ transfers, so no page is faulted in per transfer and nothing is serialised."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import mmap
 import os
 import queue
 import socket
+import stat
 import threading
+from collections import OrderedDict
 from functools import lru_cache
 from multiprocessing import shared_memory
 from pathlib import Path
 
+from engine.shm_segment import SEGMENT_NAME_LEN, create_segment, is_segment_name
+
 from .types import KVTransferError, TransferStatus
+
+_SHM_DIR = Path("/dev/shm")
 
 
 @lru_cache(maxsize=1)
 def node_id() -> str:
-    """Identifies the host (and its boot): two workers with the same id can share memory."""
+    """Identifies the host (and its boot): two workers with the same id can share memory. A digest, so a
+    peer learns nothing about the host (its name, its boot id) beyond whether it is this one."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    return hashlib.sha256(f"{socket.gethostname()}/{boot}".encode()).hexdigest()[:32]
+
+
+def check_segment_name(name: str) -> str:
+    """``name`` when it names a segment of ours; else a transfer error (the name is never opened)."""
+    if not is_segment_name(name):
+        shown = name[: SEGMENT_NAME_LEN + 8] + ("..." if len(name) > SEGMENT_NAME_LEN + 8 else "")
+        raise KVTransferError(TransferStatus.INVALID, f"refused shared-memory segment name {shown!r}")
+    return name
 
 
 class ShmRing:
@@ -34,7 +50,7 @@ class ShmRing:
     def __init__(self, total_bytes: int, slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
         self.num_slots = max(1, total_bytes // slot_bytes)
-        self.shm = shared_memory.SharedMemory(create=True, size=self.num_slots * slot_bytes)
+        self.shm = create_segment(self.num_slots * slot_bytes)
         self.name = self.shm.name
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(self.num_slots):
@@ -66,16 +82,23 @@ class ShmRing:
 
 
 class _Mapping:
-    """A segment mapped read/write by name. On Linux it is opened as /dev/shm/<name> directly, which
-    keeps it out of this process's resource tracker (the tracker would otherwise unlink the
-    sender's segment when this process exits, or double-unregister when the tracker is shared)."""
+    """A segment of ours mapped read/write by name. On Linux it is opened as /dev/shm/<name> directly, which
+    keeps it out of this process's resource tracker (the tracker would otherwise unlink the sender's segment
+    when this process exits, or double-unregister when the tracker is shared). Only a name of our pattern is
+    opened, never through a symbolic link, and only a regular file this user owns."""
 
     def __init__(self, name: str) -> None:
-        path = Path("/dev/shm") / name.lstrip("/")
+        check_segment_name(name)
         self._shm: shared_memory.SharedMemory | None = None
-        if path.parent.is_dir():
-            fd = os.open(path, os.O_RDWR)
+        if _SHM_DIR.is_dir():
+            fd = os.open(_SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                    raise KVTransferError(
+                        TransferStatus.INVALID,
+                        f"shared-memory segment {name!r} is not a segment of this user",
+                    )
                 self._mm = mmap.mmap(fd, 0)
             finally:
                 os.close(fd)
@@ -93,25 +116,40 @@ class _Mapping:
 
 
 class ShmAttachments:
-    """Receiver side: segments opened by name, kept open for the life of the receiver."""
+    """Receiver side: segments opened by name and kept open, at most ``max_segments`` of them (the least
+    recently used one is let go first: its mapping ends once no chunk read from it is still in use)."""
 
-    def __init__(self) -> None:
-        self._segments: dict[str, _Mapping] = {}
+    def __init__(self, max_segments: int = 64) -> None:
+        if max_segments < 1:
+            raise ValueError(f"ShmAttachments.max_segments must be >= 1, got {max_segments}")
+        self.max_segments = max_segments
+        self._segments: OrderedDict[str, _Mapping] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, name: str) -> _Mapping:
+        """The mapping of segment ``name``; a name not of our pattern is a :class:`KVTransferError`."""
+        check_segment_name(name)
         with self._lock:
             seg = self._segments.get(name)
-            if seg is None:
-                seg = _Mapping(name)
-                self._segments[name] = seg
+            if seg is not None:
+                self._segments.move_to_end(name)
+                return seg
+            seg = _Mapping(name)
+            self._segments[name] = seg
+            while len(self._segments) > self.max_segments:
+                # Not closed here: a stream may still be copying from it; the last reference unmaps it.
+                self._segments.popitem(last=False)
             return seg
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._segments)
 
     def probe(self, name: str) -> bool:
         try:
             self.get(name)
             return True
-        except (OSError, ValueError):
+        except (OSError, ValueError, KVTransferError):
             return False
 
     def close(self) -> None:

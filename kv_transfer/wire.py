@@ -135,6 +135,17 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
+def fingerprint_pb(fp: dict) -> pb.ModelFingerprint:
+    """A model fingerprint (``KVCacheSpec.fingerprint()``) as the handshake carries it."""
+    return pb.ModelFingerprint(
+        architecture=fp["architecture"],
+        dtype=fp["dtype"],
+        num_layers=fp["num_layers"],
+        num_kv_heads=fp["num_kv_heads"],
+        head_dim=fp["head_dim"],
+    )
+
+
 def header_pb(
     info: ChunkInfo, shm_name: str = "", shm_offset: int = 0, release_slot: bool = False
 ) -> pb.ChunkHeader:

@@ -3,6 +3,7 @@ on stderr that names the flag (or the file and key), with exit code 2."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -62,6 +63,20 @@ def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
             ["tiny", "--model", "small"],
             "error: the model is given twice ('tiny' and --model 'small'): give one",
         ),
+        (
+            ["--kv-host", "0.0.0.0"],
+            "error: --kv-host 0.0.0.0 is not a loopback address: serving KV there needs TLS (--kv-tls-cert and "
+            "--kv-tls-key)",
+        ),
+        (["--kv-host", "10.1.2.3"], "error: --kv-host 10.1.2.3 is not a loopback address"),
+        (["--kv-tls-cert", "/no/such.pem"], "error: --kv-tls-cert and --kv-tls-key must be set together"),
+        (
+            ["--kv-tls-cert", "/no/such.pem", "--kv-tls-key", "/no/such.key"],
+            "error: --kv-tls-cert: no such file '/no/such.pem'",
+        ),
+        (["--kv-tls-ca", "/no/ca.pem"], "error: --kv-tls-ca: no such file '/no/ca.pem'"),
+        (["--kv-auth-token", "two words"], "error: --kv-auth-token must be printable ASCII without spaces"),
+        (["--kv-auth-token", ""], "error: --kv-auth-token must be a non-empty string when set"),
     ],
 )
 def test_bad_serve_flags_fail_in_one_line(args, expected):
@@ -89,12 +104,31 @@ def test_a_port_in_use_is_found_before_anything_starts():
         ("prefil_workers: 2\n", "typo.yaml: unknown key 'prefil_workers'; did you mean 'prefill_workers'?"),
         ("max-model-len: 100000\n", "--max-model-len (100000) exceeds the model's max_position_embeddings"),
         ("- port\n", "typo.yaml: expected a mapping of flag names to values, got list"),
+        ("kv_host: 0.0.0.0\n", "error: --kv-host 0.0.0.0 is not a loopback address"),
     ],
 )
 def test_bad_config_files_fail_in_one_line(tmp_path, text, expected):
     (tmp_path / "typo.yaml").write_text(text)
     line = one_line_error(cli("serve", "--config", "typo.yaml", cwd=tmp_path))
     assert line.startswith("error: ") and expected in line, line
+
+
+def test_a_bad_kv_token_in_the_environment_is_named_as_the_variable():
+    env = {**os.environ, "BUCKETSERVE_KV_TOKEN": "has space"}
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert one_line_error(result) == "error: $BUCKETSERVE_KV_TOKEN must be printable ASCII without spaces"
+
+
+def test_kv_tls_files_that_do_not_load_fail_before_anything_starts(tmp_path):
+    cert, key = tmp_path / "kv.pem", tmp_path / "kv.key"
+    cert.write_text("not a certificate\n")
+    key.write_text("not a key\n")
+    line = one_line_error(
+        cli("serve", "--kv-host", "0.0.0.0", "--kv-tls-cert", str(cert), "--kv-tls-key", str(key))
+    )
+    assert line.startswith(f"error: --kv-tls-cert {cert} with --kv-tls-key {key}: cannot load them"), line
 
 
 def test_log_level_after_the_subcommand_and_debug_errors_stay_one_line(tmp_path):

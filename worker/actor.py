@@ -13,6 +13,7 @@ import torch
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput
 from kv_transfer import KVTransport, create_transport
+from kv_transfer.config import is_wildcard
 from monitor.records import WorkerStats
 from worker.config import WorkerConfig
 from worker.heartbeat import Heartbeat, engine_worker_stats
@@ -69,7 +70,12 @@ class EngineWorker:
     def _open_kv_transport(self) -> KVTransport:
         """The KV transport of a disaggregated role, over this worker's cache and allocator."""
         c = self.config
-        return create_transport(c.kv_transport, self.engine.kv_cache, self.engine.allocator, c.transfer)
+        extra: dict[str, str] = {}
+        if is_wildcard(c.transfer.host):  # listening on every address: peers dial this node's own
+            extra["advertise_host"] = ray.util.get_node_ip_address()
+        return create_transport(
+            c.kv_transport, self.engine.kv_cache, self.engine.allocator, c.transfer, **extra
+        )
 
     def _start(self, loop) -> None:
         self._thread = threading.Thread(target=loop, name=f"{self.role}-loop", daemon=True)

@@ -38,6 +38,7 @@ EXAMPLES = """examples:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from engine.args import add_engine_args
     from gateway.flags import port_number
+    from gateway.kv_flags import add_kv_security_args
     from kv_transfer.config import CLUSTER_TRANSPORTS
 
     p.add_argument(
@@ -84,6 +85,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="send each request's KV after its prefill batch instead of layer by layer during it",
     )
+    add_kv_security_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP gateway listens on")
     p.add_argument("--port", type=port_number, default=8000, help="port the HTTP gateway listens on")
     p.add_argument(
@@ -203,6 +205,7 @@ def cluster_config_from_args(args: argparse.Namespace, detached: bool = False, q
     from bucket_manager.priority import PriorityPolicy
     from engine.config import config_from_args
     from gateway.cluster_launch import ClusterConfig
+    from gateway.kv_flags import transfer_config_from_args
     from monitor import MonitorConfig
 
     return ClusterConfig(
@@ -214,6 +217,7 @@ def cluster_config_from_args(args: argparse.Namespace, detached: bool = False, q
         decode_workers=args.decode_workers,
         colocated_workers=args.colocated_workers,
         kv_transport=args.kv_transport,
+        transfer=transfer_config_from_args(args),
         stream_kv_layers=not args.no_kv_stream_layers,
         monitor=MonitorConfig.for_url(args.redis_url),
         ray_address=args.address,
@@ -265,11 +269,19 @@ def connect_backend(config):
     return RayClusterBackend(config, launch=False)
 
 
+def _without_kv_token(config):
+    """The cluster's config as a gateway replica gets it: the replicas never speak to a KV endpoint, so they are
+    not given its token."""
+    from dataclasses import replace
+
+    return replace(config, transfer=replace(config.transfer, auth_token=None))
+
+
 def _settings(config, args: argparse.Namespace, drain_signal: tuple[str, str] | None = None):
     from gateway.settings import GatewaySettings
 
     return GatewaySettings(
-        backend_factory=functools.partial(connect_backend, config),
+        backend_factory=functools.partial(connect_backend, _without_kv_token(config)),
         api_key=args.api_key or None,
         request_timeout_s=args.request_timeout_s,
         drain_signal=drain_signal,

@@ -137,15 +137,24 @@ class DecodeWorker(EngineWorker):
     def _step(self) -> None:
         outs = self._timed_step()
         routed = []
+        finished = []
         with self._lock:
             for out in outs:
                 consumer = self._consumer.get(out.request_id)
                 if out.finished:
                     self._consumer.pop(out.request_id, None)
                     self._reserved.pop(out.request_id, None)
+                    finished.append(out.request_id)
                 if consumer is not None:
                     routed.append((consumer, out))
         self.outputs.put_many(routed)
+        # The controller's reservation ends with the request, here, where it ends: a gateway that went away
+        # (crashed, redeployed) would never release it. The gateway's own release after its last output is then a
+        # no-op.
+        controller = self._get_controller() if finished else None
+        if controller is not None:
+            for rid in finished:
+                controller.release.remote(rid)
         self.heartbeat.push()
 
     def _admit(self, timeout: float) -> None:

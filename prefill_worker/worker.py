@@ -22,7 +22,7 @@ from engine.request import FinishReason, Request, RequestOutput
 from kv_transfer import KVTransferError
 from kv_transfer.streaming import LayerStreamer
 from monitor.records import BatchRecord
-from worker.actor import EngineWorker, lookup_actor
+from worker.actor import EngineWorker
 from worker.config import WorkerConfig
 from worker.info import DecodePeer
 from worker.messages import PrefilledMessage, RequestMessage
@@ -48,7 +48,6 @@ class PrefillWorker(EngineWorker):
         self._streamed = 0  # transfers that went layer by layer during their prefill and were acknowledged
         self._peers: dict[str, DecodePeer] = {}  # by decode worker id
         self._tombstones: dict[str, float] = {}
-        self._controller = None
         self._senders = ThreadPoolExecutor(config.num_senders, thread_name_prefix="kv-send")
         self._monitor = self.heartbeat.monitor
         self._start(self._loop)
@@ -320,11 +319,6 @@ class PrefillWorker(EngineWorker):
                 msg.request_id, [], [], True, FinishReason.ERROR, msg.num_prompt_tokens, 0, error=reason
             )
             self.outputs.put(msg.consumer_id, [err])
-
-    def _get_controller(self):
-        if self._controller is None and self.config.controller_name is not None:
-            self._controller = lookup_actor(self.config.controller_name, self.config.namespace)
-        return self._controller
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -63,9 +63,16 @@ class EngineWorker:
         self._closed = threading.Event()
         self._latency_ms: float | None = None
         self._integrity_error: str | None = None
+        self._controller = None
         self.heartbeat = Heartbeat(
             lookup_actor(config.monitor_name, config.namespace), self._stats, config.heartbeat_s
         )
+
+    def _get_controller(self):
+        """The cluster's controller (disaggregated mode), looked up on first use: it starts after the workers."""
+        if self._controller is None and self.config.controller_name is not None:
+            self._controller = lookup_actor(self.config.controller_name, self.config.namespace)
+        return self._controller
 
     def _open_kv_transport(self) -> KVTransport:
         """The KV transport of a disaggregated role, over this worker's cache and allocator."""

@@ -10,11 +10,15 @@ drain.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.request import RequestOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -22,12 +26,21 @@ class _Consumer:
     new: list[RequestOutput] = field(default_factory=list)
     unacked: list[RequestOutput] = field(default_factory=list)
     seq: int = 0
+    last_drain: float = field(default_factory=time.monotonic)
+
+
+# A gateway drains every worker without pause (each call waits at most a second or so); one silent for this long
+# has gone away (crashed, redeployed, scaled down), and its buffer would otherwise grow for as long as the
+# worker lives.
+CONSUMER_TTL_S = 120.0
 
 
 class OutputBuffers:
-    def __init__(self) -> None:
+    def __init__(self, consumer_ttl_s: float = CONSUMER_TTL_S) -> None:
         self._cond = threading.Condition()
         self._consumers: dict[str, _Consumer] = {}
+        self._ttl_s = consumer_ttl_s
+        self._swept = time.monotonic()
 
     def put(self, consumer_id: str, outputs: Iterable[RequestOutput]) -> None:
         self.put_many((consumer_id, o) for o in outputs)
@@ -40,12 +53,33 @@ class OutputBuffers:
                 any_put = True
             if any_put:
                 self._cond.notify_all()
+            self._drop_gone()
+
+    def _drop_gone(self) -> None:
+        """Forget the consumers that stopped draining (caller holds the lock); a sweep at most every few seconds."""
+        now = time.monotonic()
+        if now - self._swept < min(5.0, self._ttl_s):
+            return
+        self._swept = now
+        for cid in [c for c, buf in self._consumers.items() if now - buf.last_drain > self._ttl_s]:
+            dropped = self._consumers.pop(cid)
+            logger.warning(
+                "consumer %s has not drained for %.0f s: gone; dropping its %d output(s)",
+                cid,
+                now - dropped.last_drain,
+                len(dropped.new) + len(dropped.unacked),
+            )
+
+    def consumers(self) -> list[str]:
+        with self._cond:
+            return list(self._consumers)
 
     def drain(self, consumer_id: str, timeout: float, ack: int = -1) -> tuple[int, list[RequestOutput]]:
         """``(seq, outputs)``: everything for ``consumer_id`` not yet acknowledged, waiting up to ``timeout``
         seconds when there is nothing. ``ack`` is the ``seq`` of the last answer the caller received."""
         with self._cond:
             c = self._consumers.setdefault(consumer_id, _Consumer())
+            c.last_drain = time.monotonic()
             if ack == c.seq:
                 c.unacked = []
             if not c.unacked and not c.new:
@@ -55,6 +89,7 @@ class OutputBuffers:
             c.unacked = c.unacked + c.new
             c.new = []
             c.seq += 1
+            c.last_drain = time.monotonic()
             return c.seq, list(c.unacked)
 
     def wake(self) -> None:

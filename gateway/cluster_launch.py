@@ -22,6 +22,7 @@ from bucket_manager.controller import Controller, ControllerConfig
 from bucket_manager.priority import PriorityPolicy
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
+from kv_transfer.base import FaultInjector
 from kv_transfer.config import CLUSTER_TRANSPORTS, TransferConfig
 from monitor import Monitor, MonitorConfig
 from prefill_worker.worker import PrefillWorker
@@ -47,6 +48,8 @@ class ClusterConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     # Prefill workers send each layer's KV as soon as it is computed (False: each request's KV after its batch).
     stream_kv_layers: bool = True
+    # Chaos drills and fault tests only: damage done to the prefill workers' outgoing KV chunks (None: none).
+    kv_faults: FaultInjector | None = None
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     policy: PriorityPolicy = field(default_factory=PriorityPolicy)
     # Controller scheduling: "buckets" (adaptive request buckets + priority policy) or "fcfs" (one bucket,
@@ -299,6 +302,7 @@ def launch_cluster(config: ClusterConfig) -> ClusterHandles:
             kv_transport=config.kv_transport,
             transfer=config.transfer,
             stream_kv_layers=config.stream_kv_layers,
+            kv_faults=config.kv_faults if role == "prefill" else None,
             monitor_name=config.actor_name("monitor"),
             controller_name=controller_name,
             namespace=ns,

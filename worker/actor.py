@@ -81,7 +81,12 @@ class EngineWorker:
         if is_wildcard(c.transfer.host):  # listening on every address: peers dial this node's own
             extra["advertise_host"] = ray.util.get_node_ip_address()
         return create_transport(
-            c.kv_transport, self.engine.kv_cache, self.engine.allocator, c.transfer, **extra
+            c.kv_transport,
+            self.engine.kv_cache,
+            self.engine.allocator,
+            c.transfer,
+            faults=c.kv_faults,
+            **extra,
         )
 
     def _start(self, loop) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from kv_transfer.base import FaultInjector
 from kv_transfer.config import TransferConfig
 
 ROLES = ("prefill", "decode", "colocated")
@@ -35,6 +36,8 @@ class WorkerConfig:
     # Prefill: send each layer's KV as soon as the layer is computed (hides the transfer behind the rest of
     # the forward pass); False sends a request's KV after its batch.
     stream_kv_layers: bool = True
+    # Chaos drills and fault tests only: damage done to this worker's outgoing KV chunks (None: none).
+    kv_faults: FaultInjector | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.worker_id, str) or not self.worker_id:

@@ -18,13 +18,16 @@ _KINDS = {
     "monitor": "bench.monitor_overhead",
     "latency": "bench.latency",
     "roofline": "bench.roofline",
+    "soak": "bench.soak",
 }
 # Libraries of the ``bench`` extra: a kind that needs a missing one says so when it is run.
 _EXTRA = {"httpx", "matplotlib"}
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: offline, kv, serve, sweep, monitor, latency, roofline")
+    p = sub.add_parser(
+        "bench", help="benchmarks: offline, kv, serve, sweep, monitor, latency, roofline, soak"
+    )
     kinds = p.add_subparsers(dest="bench_kind", metavar="KIND")
     for kind, module in _KINDS.items():
         try:

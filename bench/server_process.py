@@ -48,7 +48,7 @@ class ServerProcess:
             return self.log_path.read_bytes()[-n:].decode(errors="replace")
         return ""
 
-    def _members(self) -> list[int]:
+    def members(self) -> list[int]:
         """Processes still in the server's session (it and everything it started, unless they left it)."""
         return [pid for pid in pids() if (f := stat_fields(pid)) is not None and int(f[3]) == self.sid]
 
@@ -66,10 +66,10 @@ class ServerProcess:
             self.proc.wait(timeout=30)
         # Give child processes a moment to follow their parent out, then kill the stragglers.
         deadline = time.monotonic() + 10
-        left = self._members()
+        left = self.members()
         while left and time.monotonic() < deadline:
             time.sleep(0.5)
-            left = self._members()
+            left = self.members()
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import random
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -225,6 +226,43 @@ def test_admission_bound_answers_429_with_retry_after(served: Served) -> None:
     with httpx.Client(base_url=f"{served.url}/tight", timeout=60) as c:
         again = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert again.status_code == 200, again.text
+
+
+def test_sixteen_times_the_admission_bound_at_once_is_served_or_refused_fast_never_a_5xx(
+    served: Served,
+) -> None:
+    """32 streams at once against a bound of 2: each one either completes whole or is refused at once with a 429
+    and Retry-After (never a 5xx, never cut off), and the cluster is left with nothing in use."""
+    n, tokens = 16 * TIGHT, 24
+    body = {"prompt": "Once upon a time", "max_tokens": tokens, "ignore_eos": True, "stream": True}
+
+    async def one(c: httpx.AsyncClient) -> tuple[int, float, list[str], str | None]:
+        t0 = time.monotonic()
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            answered = time.monotonic() - t0
+            lines = [line async for line in r.aiter_lines() if line]
+            return r.status_code, answered, lines, r.headers.get("retry-after")
+
+    async def run() -> list[tuple[int, float, list[str], str | None]]:
+        async with httpx.AsyncClient(base_url=f"{served.url}/tight", timeout=120) as c:
+            return await asyncio.gather(*(one(c) for _ in range(n)))
+
+    results = asyncio.run(run())
+    statuses = [status for status, *_ in results]
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses.count(200) >= TIGHT and statuses.count(429) >= 1, statuses
+    for status, answered, lines, retry_after in results:
+        if status == 429:
+            assert retry_after is not None and int(retry_after) >= 1
+            assert answered < 5.0, f"a refusal took {answered:.1f} s"
+            assert json.loads(lines[0])["error"]["type"] == "rate_limit_error"
+        else:
+            assert lines[-1] == "data: [DONE]"
+            chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+            assert not any("error" in c for c in chunks), chunks[-1]
+            assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["text"] != "") <= tokens
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert_no_leaks(asyncio.run(wait_idle(served.backend, timeout=30)))
 
 
 def test_health_and_models_through_the_gateway(served: Served) -> None:

@@ -74,7 +74,7 @@ class ControllerConfig:
         return DispatcherConfig(**{f.name: getattr(self, f.name) for f in fields(DispatcherConfig)})
 
 
-def _restarted_actor() -> bool:
+def restarted_actor() -> bool:
     """Whether this process is a Ray actor that Ray has restarted (False when run in place, as the simulator and
     the tests run the controller)."""
     if not ray.is_initialized():  # asking for the runtime context would start Ray
@@ -106,9 +106,11 @@ class Controller:
         self.incarnation = uuid.uuid4().hex
         # Requests each dead worker took down, kept so that every gateway that asks gets the same answer.
         self._lost_by: dict[str, list[str]] = {}
+        # When each restarted worker came back (wall clock): a death reported as noticed before that is its old one.
+        self._up_at: dict[str, float] = {}
         # After a restart (Ray re-creates the actor from the same config), the ledger is rebuilt from the workers
         # before any call is served.
-        self._restarted = bool(config.workers) and _restarted_actor()
+        self._restarted = bool(config.workers) and restarted_actor()
         self._recovered: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ set-up
@@ -279,7 +281,47 @@ class Controller:
         self._mark_down(worker_id)
         self._wake.set()
 
-    async def worker_down(self, worker_id: str) -> list[str]:
+    async def worker_up(self, worker_id: str, kv_blocks: int, up_at: float) -> None:
+        """A worker Ray restarted is serving again (``up_at``: its wall-clock time then), its cache empty. What it
+        held died with its old life: given up here if no gateway has reported that death yet (they get the list
+        when they do). Its ledger starts afresh, and the prefill workers learn the decode workers' addresses
+        again (a restarted decode worker listens on a new one; a restarted prefill worker knows none)."""
+        await self._ready()
+        d = self.dispatcher
+        if worker_id not in d.prefill and worker_id not in d.decode:
+            logger.warning("worker_up from %s, which is not one of this cluster's workers", worker_id)
+            return
+        if d.is_alive(worker_id):
+            await self._give_up_on(worker_id)
+        d.revive(worker_id, kv_blocks)
+        self._up_at[worker_id] = up_at
+        try:
+            handle = ray.get_actor(worker_id, namespace=self.config.namespace)
+        except ValueError:
+            handle = self.handles.get(worker_id)
+        self.handles[worker_id] = handle
+        await self._share_decode_peers()
+        logger.warning(
+            "worker %s is back (restarted, %d KV blocks); planning for it again", worker_id, kv_blocks
+        )
+        self._wake.set()
+
+    async def _share_decode_peers(self) -> None:
+        """Every live prefill worker gets every live decode worker's current address."""
+        d = self.dispatcher
+        live = [w for w in d.decode if d.is_alive(w)]
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(self.handles[w].peer.remote(), self.config.recover_timeout_s) for w in live),
+            return_exceptions=True,
+        )
+        peers = {
+            w: peer for w, peer in zip(live, answers, strict=True) if not isinstance(peer, BaseException)
+        }
+        for w in d.prefill:
+            if d.is_alive(w):
+                self.handles[w].set_decode_workers.remote(peers)
+
+    async def worker_down(self, worker_id: str, noticed_at: float | None = None) -> list[str]:
         """A worker died: mark it down and give up the requests that can no longer finish; returns their ids.
 
         Those are the requests placed on a dead decode worker (their KV died with it), those in the batches of a
@@ -289,10 +331,16 @@ class Controller:
         prefill worker that later gives one of them back is told not to retry.
         """
         await self._ready()
-        d = self.dispatcher
-        if worker_id in self._lost_by:
+        if not self.dispatcher.is_alive(worker_id) and worker_id in self._lost_by:
             # Every gateway asks: each gets the whole list, and ends the streams among them that are its own.
             return list(self._lost_by[worker_id])
+        if noticed_at is not None and noticed_at < self._up_at.get(worker_id, float("-inf")):
+            # A gateway late to report a death the worker has already come back from: that life's list.
+            return list(self._lost_by.get(worker_id, ()))
+        return await self._give_up_on(worker_id)
+
+    async def _give_up_on(self, worker_id: str) -> list[str]:
+        d = self.dispatcher
         self._mark_down(worker_id)
         lost, stranded = d.stranded_by(worker_id)
         # The dead prefill worker's batches in flight may or may not have reached their decode worker: end them,

@@ -144,6 +144,16 @@ class Dispatcher:
                 newly = True
         return newly
 
+    def is_alive(self, worker_id: str) -> bool:
+        w = self.prefill.get(worker_id) or self.decode.get(worker_id)
+        return w is not None and w.alive
+
+    def revive(self, worker_id: str, total_blocks: int) -> None:
+        """The worker is back (restarted, its cache empty): a fresh ledger, planned for again."""
+        for pool in (self.prefill, self.decode):
+            if worker_id in pool:
+                pool[worker_id] = WorkerLedger(worker_id, total_blocks)
+
     def _usable(self, w: WorkerLedger) -> bool:
         return w.alive and w.worker_id not in self._down
 

@@ -17,10 +17,12 @@ import queue
 import threading
 import time
 
+import ray
+
 from kv_transfer import ReceivedKV
 from worker.actor import EngineWorker
 from worker.config import WorkerConfig
-from worker.info import WorkerInfo
+from worker.info import DecodePeer, WorkerInfo
 from worker.messages import PrefilledMessage
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,10 @@ class DecodeWorker(EngineWorker):
     # ------------------------------------------------------------------ remote API
     def info(self) -> WorkerInfo:
         return dataclasses.replace(super().info(), address=self.address)
+
+    def peer(self) -> DecodePeer:
+        """This worker as prefill workers reach it (its address changes when Ray restarts it)."""
+        return DecodePeer(ray.get_runtime_context().current_actor, self.address)
 
     def expect(self, msg: PrefilledMessage, need_blocks: int) -> bool:
         """Announce a prefilled request whose KV follows. False (full): send it elsewhere."""

@@ -20,6 +20,7 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -259,6 +260,10 @@ class RayClusterBackend(ServingBackend):
                 return {"id": name, "role": role, "up": False, "warmed": False, "error": type(e).__name__}
 
         rows = await asyncio.gather(*(probe(n, r, h) for n, (r, h) in self.handles.workers.items()))
+        for row in rows:
+            if row["up"] and row["id"] in self._down:
+                # It answers again (restarted) but this gateway has not had its first drain from it yet.
+                row.update(up=False, error="rejoining")
         controller_up = True
         if self.handles.controller is not None:
             try:
@@ -374,6 +379,7 @@ class RayClusterBackend(ServingBackend):
             return
         logger.error("worker %s is down: it %s", name, why)
         self._down.add(name)
+        self._acks.pop(name, None)  # a restarted worker numbers its answers afresh
         await self._fail_lost(name, why, hung)
 
     async def _fail_lost(self, name: str, why: str, hung: ActorHandle[EngineWorker] | None = None) -> None:
@@ -383,8 +389,11 @@ class RayClusterBackend(ServingBackend):
         it ever answers again it frees what it holds for requests nobody awaits any more.
         """
         if self.handles.controller is not None:
+            noticed_at = time.time()  # tells the controller which life of the worker this death was
             try:
-                lost = await asyncio.wait_for(self.handles.controller.worker_down.remote(name), 10.0)
+                lost = await asyncio.wait_for(
+                    self.handles.controller.worker_down.remote(name, noticed_at), 10.0
+                )
             except Exception as e:
                 logger.error("controller unreachable after %s went down: %s", name, e)
                 # Without the controller nothing placed can finish: fail all rather than hang.

@@ -70,6 +70,9 @@ class ClusterConfig:
     # than this, which could never be admitted, gets 400).
     max_pending: int = 256
     max_batches_per_prefill_worker: int = 2
+    # How many times in its life Ray re-creates a worker that died (a crash, its process killed): bounded, so a
+    # worker that dies while starting (out of memory, say) ends the launch instead of looping.
+    worker_max_restarts: int = 3
     # Long-poll timeout of the gateway's output drain calls.
     drain_timeout_s: float = 0.5
     # A worker whose drain call has not answered for this long is hung (alive, but its actor does not answer): the
@@ -99,6 +102,10 @@ class ClusterConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ClusterConfig.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.worker_max_restarts, int) or self.worker_max_restarts < 0:
+            raise ValueError(
+                f"ClusterConfig.worker_max_restarts must be an int >= 0, got {self.worker_max_restarts!r}"
+            )
         for name in ("worker_num_cpus", "drain_timeout_s", "worker_timeout_s", "startup_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
@@ -316,6 +323,9 @@ def launch_cluster(config: ClusterConfig) -> ClusterHandles:
                 namespace=ns,
                 num_cpus=config.worker_num_cpus,
                 max_concurrency=64,
+                # A dead worker is re-created from the same config: it loads and warms the model again, then
+                # rejoins (its requests in flight died with it and ended with an error).
+                max_restarts=config.worker_max_restarts,
                 runtime_env=_QUIET_ENV if config.quiet else None,
                 **life,
             )

@@ -10,6 +10,7 @@ import time
 import ray
 import torch
 
+from bucket_manager.controller import restarted_actor
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput
 from kv_transfer import KVTransport, create_transport
@@ -94,6 +95,18 @@ class EngineWorker:
         self._thread.start()
         self.heartbeat.start()
         logger.info("%s worker %s up in %.1fs", self.role, self.config.worker_id, self.startup_s)
+        self._rejoin()
+
+    def _rejoin(self) -> None:
+        """After Ray restarted this actor (it died; Ray re-created it from the same config): tell the controller it
+        is back, with its capacity, so it is planned for again and the prefill workers learn its new KV address.
+        Nothing to do on a first start (the launcher registers the workers) or without a controller."""
+        if not restarted_actor():
+            return
+        controller = self._get_controller()
+        logger.warning("%s restarted; rejoining the cluster", self.config.worker_id)
+        if controller is not None:
+            controller.worker_up.remote(self.config.worker_id, self.engine.allocator.num_blocks, time.time())
 
     # ------------------------------------------------------------------ remote API
     def info(self) -> WorkerInfo:

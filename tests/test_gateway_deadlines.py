@@ -354,12 +354,14 @@ def test_cluster_request_past_its_deadline_is_a_408_and_frees_every_worker(clust
         assert_cluster_clean(cluster.backend)
 
         with c.stream(
-            "POST", "/v1/completions", json={**CLUSTER_LONG, "stream": True}, headers={HEADER: "1500"}
+            "POST", "/v1/completions", json={**CLUSTER_LONG, "stream": True}, headers={HEADER: "1000"}
         ) as s:
             assert s.status_code == 200
             events = sse_events(s.iter_lines())
         assert events[-1] == "[DONE]"
-        assert_timeout_error(events[-2]["error"], f"{HEADER}: 1500")
+        # 480 tokens take longer than the deadline (the JSON request above is the proof): the stream is cut.
+        assert "error" in events[-2], (len(events), events[-3:])
+        assert_timeout_error(events[-2]["error"], f"{HEADER}: 1000")
         assert len(events) > 3, "tokens should stream before the deadline"
     assert_cluster_clean(cluster.backend)
 

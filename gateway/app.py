@@ -59,6 +59,7 @@ from gateway.protocol import (
     parse_body,
     sse,
 )
+from gateway.ray_network import keep_serve_replica_on_loopback
 from gateway.settings import GatewaySettings
 from gateway.tokenization import Tokenizer, load_tokenizer
 
@@ -365,6 +366,7 @@ class GatewayDeployment:
     """Ray Serve ingress: each replica builds (or connects to) its backend, then its app."""
 
     def __init__(self, settings: GatewaySettings) -> None:
+        keep_serve_replica_on_loopback()
         self._settings = settings
         if not settings.log_polling:
             # Serve's access log goes through its "ray.serve" logger, one record per request.

@@ -46,6 +46,7 @@ from gateway.generation import (
     until_disconnect,
 )
 from gateway.openai_format import OpenAIFormat
+from gateway.openapi import OPENAPI_PATH, install_openapi
 from gateway.protocol import (
     SSE_DONE,
     APIError,
@@ -256,7 +257,8 @@ def create_app(
     """
     settings = settings or GatewaySettings()
     gw = Gateway(backend, settings)
-    app = FastAPI(title="BucketServe", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="BucketServe", docs_url=None, redoc_url=None, openapi_url=OPENAPI_PATH)
+    install_openapi(app)
     app.state.gateway = gw
     app.state.drain = gw.drain
 

@@ -9,6 +9,14 @@ import torch
 from engine.request import Request
 
 
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` for any temperature > 0, however small: shifted so the largest is 0 and divided
+    in float64, so a tiny temperature sends the others to -inf instead of every value to inf or NaN (a float32
+    temperature below ~1e-45 is 0), and sampling tends to greedy as it should."""
+    shifted = logits.double() - logits.max().double()
+    return (shifted / temperature).to(logits.dtype)
+
+
 class Sampler:
     def __init__(self, default_seed: int = 0) -> None:
         self.default_seed = default_seed
@@ -46,7 +54,7 @@ class Sampler:
 
     def _sample_one(self, logits: torch.Tensor, req: Request) -> int:
         sp = req.sampling
-        x = logits.cpu() / sp.temperature  # [vocab]
+        x = _scaled(logits.cpu(), sp.temperature)  # [vocab]
         if sp.top_k > 0 and sp.top_k < x.numel():
             kth = torch.topk(x, sp.top_k).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))

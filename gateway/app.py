@@ -46,6 +46,7 @@ from gateway.generation import (
     until_disconnect,
 )
 from gateway.openai_format import OpenAIFormat
+from gateway.openapi import OPENAPI_PATH, install_openapi
 from gateway.protocol import (
     SSE_DONE,
     APIError,
@@ -59,6 +60,7 @@ from gateway.protocol import (
     parse_body,
     sse,
 )
+from gateway.ray_network import keep_serve_replica_on_loopback
 from gateway.settings import GatewaySettings
 from gateway.tokenization import Tokenizer, load_tokenizer
 
@@ -255,7 +257,8 @@ def create_app(
     """
     settings = settings or GatewaySettings()
     gw = Gateway(backend, settings)
-    app = FastAPI(title="BucketServe", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="BucketServe", docs_url=None, redoc_url=None, openapi_url=OPENAPI_PATH)
+    install_openapi(app)
     app.state.gateway = gw
     app.state.drain = gw.drain
 
@@ -365,6 +368,7 @@ class GatewayDeployment:
     """Ray Serve ingress: each replica builds (or connects to) its backend, then its app."""
 
     def __init__(self, settings: GatewaySettings) -> None:
+        keep_serve_replica_on_loopback()
         self._settings = settings
         if not settings.log_polling:
             # Serve's access log goes through its "ray.serve" logger, one record per request.

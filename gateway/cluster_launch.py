@@ -22,6 +22,7 @@ from bucket_manager.controller import Controller, ControllerConfig
 from bucket_manager.priority import PriorityPolicy
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
+from gateway.ray_network import local_ray_init, warn_unless_token_auth
 from kv_transfer.base import FaultInjector
 from kv_transfer.config import CLUSTER_TRANSPORTS, TransferConfig
 from monitor import Monitor, MonitorConfig
@@ -203,10 +204,11 @@ def ensure_ray(config: ClusterConfig) -> None:
     }
     if config.ray_address is not None:
         ray.init(address=config.ray_address, **kwargs)
+        warn_unless_token_auth(config.ray_address)
     else:
-        # Room for every worker plus the gateway, whatever the core count of this machine.
+        # Room for every worker plus the gateway, whatever the core count of this machine; on loopback only.
         needed = int(len(config.worker_ids()) * config.worker_num_cpus) + 2
-        ray.init(num_cpus=config.ray_num_cpus or max(os.cpu_count() or 1, needed), **kwargs)
+        local_ray_init(num_cpus=config.ray_num_cpus or max(os.cpu_count() or 1, needed), **kwargs)
 
 
 class ClusterTooSmall(RuntimeError):

@@ -170,6 +170,12 @@ _CHAT_OFF: dict[str, tuple[Any, ...]] = {
 _COMPLETION_OFF: dict[str, tuple[Any, ...]] = {"add_special_tokens": (True,)}
 
 
+def unsupported_fields(model: type[BaseModel]) -> dict[str, tuple[Any, ...]]:
+    """The fields of a request model this server does not implement, each with the values it accepts for them."""
+    own = _CHAT_OFF if issubclass(model, ChatCompletionRequest) else _COMPLETION_OFF
+    return {**_OFF, **own}
+
+
 def _is(v: Any, off: Any) -> bool:
     if isinstance(v, bool) or isinstance(off, bool):
         return type(v) is type(off) and v == off  # True is not 1.0, nor 0 False
@@ -273,9 +279,19 @@ class _Common(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+# What a completion's `prompt` may be, for the API's schema (the validator below checks it).
+_PROMPT_SCHEMAS = [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+    {"type": "array", "minItems": 1, "items": {"type": "integer"}},
+    {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": {"type": "integer"}}},
+]
+
+
 class CompletionRequest(_Common):
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"required": ["prompt"]})
     # str | list[str] | list[int] | list[list[int]]; checked by hand for a clear message.
-    prompt: Any = Field(default=None, validate_default=True)
+    prompt: Any = Field(default=None, validate_default=True, json_schema_extra={"anyOf": _PROMPT_SCHEMAS})
     max_tokens: int | None = Field(default=16)
     logprobs: int | None = None
     echo: bool = False
@@ -388,7 +404,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

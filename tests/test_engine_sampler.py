@@ -38,3 +38,12 @@ def test_logprobs_of_chosen_tokens() -> None:
     tokens, lp = Sampler()(logits, [_req("a", logprobs=True), _req("b")])
     expected = torch.log_softmax(logits, -1)[torch.arange(2), torch.tensor(tokens)]
     torch.testing.assert_close(torch.tensor(lp), expected)
+
+
+def test_a_tiny_temperature_samples_the_argmax_instead_of_failing() -> None:
+    """A temperature just above 0 (valid API input) once overflowed the scaled logits to NaN and failed the step."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3)) * 30
+    reqs = [_req(str(t), temperature=t, seed=1) for t in (1e-300, 5e-324, 1e-40)]
+    reqs.append(_req("p", temperature=5e-324, top_p=5e-324, top_k=3))
+    tokens, _ = Sampler()(torch.cat([logits, logits[:1]]), reqs)
+    assert tokens == torch.cat([logits, logits[:1]]).argmax(-1).tolist()

@@ -1,16 +1,21 @@
 """``bucketserve serve`` as a user runs it: its start-up output is a few useful lines (one per warmed worker, a
 banner with the model, device, dtype, length limit, workers and URLs), free of Ray's notices and relayed progress
-bars; polled routes are not access-logged while real requests are; Ctrl-C ends it with a final line and exit 0."""
+bars; polled routes are not access-logged while real requests are; the local Ray cluster it starts listens on
+loopback only; Ctrl-C ends it with a final line and exit 0."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from listening_sockets import command_line, listeners, session_members
 
 from bench.server_process import ServerProcess, free_port, wait_healthy
 
@@ -34,6 +39,7 @@ def test_start_up_output_is_quiet_and_useful(tmp_path: Path) -> None:
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, server, timeout_s=300)
+        check_ray_listens_on_loopback_only(server)
         for _ in range(3):  # a dashboard polling, a probe, a scraper
             assert httpx.get(f"{base}/dashboard/data", timeout=30).status_code == 200
             assert httpx.get(f"{base}/health", timeout=30).status_code == 200
@@ -70,3 +76,38 @@ def test_start_up_output_is_quiet_and_useful(tmp_path: Path) -> None:
         assert polled not in log, polled
     assert lines[-2:] == ["stopping...", "stopped."], lines[-6:]
     assert "graceful_shutdown failed" not in log
+    assert "without an API key" not in log and "without token authentication" not in log
+
+
+# A driver of its own on the server's cluster, asking Ray where its nodes are. A cluster on loopback is one
+# machine's: Ray's switch for that lets this driver's node address be loopback too; the server's cluster
+# authenticates with the token it wrote to ~/.ray/auth_token.
+NODES_SCRIPT = """
+import json, sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
+print(json.dumps([n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]))
+"""
+
+
+def check_ray_listens_on_loopback_only(server: ServerProcess) -> None:
+    """Every TCP socket the server's processes listen on (Ray's GCS, raylet, agents, workers, Serve's proxy,
+    the KV transfer) is bound to 127.0.0.1, and Ray gives the node's address as 127.0.0.1."""
+    members = session_members(server.sid)
+    found = listeners(members)
+    names = " ".join(listener.name for listener in found)
+    for part in ("raylet", "gcs_server", "DashboardAgent", "DecodeWorker"):
+        assert part in names, (part, found)
+    assert [listener for listener in found if not listener.is_loopback()] == [], found
+    gcs = next(
+        arg.split("=", 1)[1]
+        for pid in members
+        for arg in command_line(pid)
+        if arg.startswith("--gcs-address=")
+    )
+    assert gcs.startswith("127.0.0.1:"), gcs
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
+    out = subprocess.run(
+        [sys.executable, "-c", NODES_SCRIPT, gcs], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["127.0.0.1"], out.stdout

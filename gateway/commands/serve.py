@@ -467,6 +467,7 @@ def _wait_for_gateway(name: str, timeout_s: float) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gateway.flags import FlagError, check_port_free
+    from gateway.ray_network import warn_if_open_http
 
     debug = getattr(args, "log_level", "INFO") == "DEBUG"
     t0 = time.perf_counter()
@@ -478,6 +479,7 @@ def run(args: argparse.Namespace) -> int:
         args = resolve_settings(args, getattr(args, "command_argv", None))
         config, facts = checked_cluster_config(args, quiet=not debug)
         check_port_free(args.host, args.port)
+        warn_if_open_http(args.host, args.api_key)
         start_up.check()
     except FlagError as e:
         if start_up.pending:  # the signal's doing (an import it cut short), not the user's mistake

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import re
 import shlex
@@ -173,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.minutes > 0 or not args.rate > 0 or not args.sample_s > 0 or not 0 <= args.settle_frac < 1:
         print("error: --minutes, --rate and --sample-s must be > 0, --settle-frac in [0, 1)", file=sys.stderr)
         return 2
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", args.model, "--port", str(port)]
     cmd += shlex.split(args.serve_args)
@@ -210,6 +212,14 @@ def run(args: argparse.Namespace) -> int:
         "max_drift_pct": None if worst is None else worst["drift_pct"],
         "max_drift_process": None if worst is None else worst["process"],
         "rss": rows,
+        # Every sample of every process that lived to the end, [seconds into the load, MiB]: a plateau is a cache
+        # filling, a steady climb a leak.
+        "rss_series": {
+            f"{label} ({pid})": [
+                [round(t - t0, 1), round(sample[pid][1] / 1024, 1)] for t, sample in samples if pid in sample
+            ]
+            for pid, (label, _) in samples[-1][1].items()
+        },
         "load": summary,
     }
     table = [("process", "pid", "RSS first (MiB)", "RSS last (MiB)", "drift %")]
@@ -226,5 +236,5 @@ def run(args: argparse.Namespace) -> int:
             f"KV in use after: {usage}, largest RSS drift {report['max_drift_pct']}% ({report['max_drift_process']})"
         )
         print(f"report: {path}, {path.with_suffix('.md')}")
-    print(json.dumps({k: v for k, v in report.items() if k not in ("rss", "load")}))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("rss", "rss_series", "load")}))
     return 0 if report["failed"] == 0 and not report["leaked_kv"] else 1

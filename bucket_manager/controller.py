@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -80,7 +81,13 @@ def restarted_actor() -> bool:
     if not ray.is_initialized():  # asking for the runtime context would start Ray
         return False
     ctx = ray.get_runtime_context()
-    return ctx.worker.mode == ray.WORKER_MODE and ctx.was_current_actor_reconstructed
+    if ctx.worker.mode != ray.WORKER_MODE or ctx.get_actor_id() is None:
+        return False
+    with (
+        warnings.catch_warnings()
+    ):  # it reads Ray's own deprecated actor_id, which warns in every actor's log
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ctx.was_current_actor_reconstructed)
 
 
 class Controller:

@@ -49,6 +49,9 @@ class ControllerConfig:
     # Figures older than this (the monitor is slow, hung or gone) are dropped: the planner then goes by its own
     # ledger of reservations alone, rather than by a worker's free blocks as they were long ago.
     stats_max_age_s: float = 2.0
+    # Until the monitor's first answer (it starts alongside, under the start-up's load), no figures are not called
+    # stale before this: planning goes by the ledger meanwhile either way, and start-up logs no false alarm.
+    stats_first_wait_s: float = 15.0
     # Prefill attempts of one request (a decode worker refused or died, a transfer failed) before it fails.
     max_attempts: int = 4
     scheduling: str = "buckets"
@@ -65,7 +68,13 @@ class ControllerConfig:
                 raise ValueError(
                     f"ControllerConfig.workers must be (prefill|decode, name) pairs, got {(role, name)!r}"
                 )
-        for name in ("stats_refresh_s", "plan_interval_s", "stats_max_age_s", "recover_timeout_s"):
+        for name in (
+            "stats_refresh_s",
+            "plan_interval_s",
+            "stats_max_age_s",
+            "stats_first_wait_s",
+            "recover_timeout_s",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"ControllerConfig.{name} must be > 0, got {value!r}")
@@ -104,6 +113,7 @@ class Controller:
         self._stats_read: asyncio.Task | None = None
         self._stats_error: str | None = None
         self._stats_stale = False
+        self._stats_seen = False  # whether the monitor has answered once
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._monitor = None
@@ -394,7 +404,8 @@ class Controller:
             self._stats_asked = now
             self._stats_read = asyncio.get_running_loop().create_task(self._read_stats())
         age = now - self._stats_at
-        if not self._stats_stale and age > self.config.stats_max_age_s:
+        limit = self.config.stats_max_age_s if self._stats_seen else self.config.stats_first_wait_s
+        if not self._stats_stale and age > limit:
             # Once per outage, not per tick; a worker's old free-block count could hold planning at zero for ever.
             self._stats_stale = True
             self.dispatcher.update_stats({}, ())
@@ -418,6 +429,7 @@ class Controller:
             (wid for wid, row in summary.get("workers", {}).items() if not row.get("up", True)),
         )
         self._stats_at = time.monotonic()
+        self._stats_seen = True
         self._stats_error = None
         if self._stats_stale:
             self._stats_stale = False

@@ -85,6 +85,7 @@ def _config() -> ControllerConfig:
         shape_config=shape,
         max_batches_per_prefill_worker=64,
         stats_max_age_s=MAX_AGE_S,
+        stats_first_wait_s=MAX_AGE_S,
     )
 
 

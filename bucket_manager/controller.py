@@ -92,9 +92,8 @@ def restarted_actor() -> bool:
     ctx = ray.get_runtime_context()
     if ctx.worker.mode != ray.WORKER_MODE or ctx.get_actor_id() is None:
         return False
-    with (
-        warnings.catch_warnings()
-    ):  # it reads Ray's own deprecated actor_id, which warns in every actor's log
+    # It reads Ray's own deprecated actor_id, which would warn in every actor's log.
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         return bool(ctx.was_current_actor_reconstructed)
 
@@ -136,9 +135,8 @@ class Controller:
     ) -> None:
         """Worker id -> (actor handle, KV blocks in its cache)."""
         if self._restarted:
-            await (
-                self._ready()
-            )  # the launcher's call retried after a restart: the rebuild has registered them
+            # The launcher's call retried after a restart: the rebuild has registered them.
+            await self._ready()
             return
         await self._register(prefill, decode)
 

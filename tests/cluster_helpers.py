@@ -86,3 +86,15 @@ async def wait_idle(backend, timeout: float = 10.0) -> dict[str, dict]:
         if all(s["kv_blocks_used"] == 0 for s in stats.values()) or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.1)
+
+
+def assert_all_equal_hf(results: list[Collected], reqs: list[Request], reference) -> None:
+    """Every collected request completed without error, token for token equal to Hugging Face greedy
+    (``reference``: the ``hf_reference`` fixture's model) on the same prompt and length."""
+    by_id = {r.request_id: r for r in reqs}
+    for g in results:
+        req = by_id[g.request_id]
+        assert g.error is None, (g.request_id, g.error)
+        assert g.tokens == reference.greedy(req.prompt_token_ids, req.sampling.max_tokens, ignore_eos=True), (
+            g.request_id
+        )

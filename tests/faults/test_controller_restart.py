@@ -9,7 +9,14 @@ import time
 
 import pytest
 import ray
-from cluster_helpers import NUM_BLOCKS, cluster_config, collect, make_request, wait_idle
+from cluster_helpers import (
+    NUM_BLOCKS,
+    assert_all_equal_hf,
+    cluster_config,
+    collect,
+    make_request,
+    wait_idle,
+)
 
 from gateway.cluster_backend import RayClusterBackend
 
@@ -61,12 +68,7 @@ def test_controller_killed_under_load_comes_back_and_every_request_completes(ray
         )
         assert queued_at_kill >= 1
         assert rebuilt_s < REBUILD_S
-        by_id = {r.request_id: r for r in reqs}
-        for g in results:
-            assert g.error is None, (g.request_id, g.error)
-            assert g.tokens == hf_reference("tiny", "cpu").greedy(
-                by_id[g.request_id].prompt_token_ids, 60, ignore_eos=True
-            ), g.request_id
+        assert_all_equal_hf(results, reqs, hf_reference("tiny", "cpu"))
         assert new.error is None and len(new.tokens) == 8
         stats = asyncio.run(wait_idle(backend, 30))
         for name, s in stats.items():

@@ -8,7 +8,14 @@ import asyncio
 
 import pytest
 import ray
-from cluster_helpers import NUM_BLOCKS, cluster_config, collect, make_request, wait_idle
+from cluster_helpers import (
+    NUM_BLOCKS,
+    assert_all_equal_hf,
+    cluster_config,
+    collect,
+    make_request,
+    wait_idle,
+)
 
 from gateway.cluster_backend import RayClusterBackend
 from kv_transfer import FaultInjector
@@ -29,12 +36,7 @@ def test_every_16th_kv_chunk_damaged_and_every_request_still_exact(ray_session, 
             return await asyncio.wait_for(asyncio.gather(*(collect(backend, r) for r in reqs)), 240)
 
         results = asyncio.run(run())
-        by_id = {r.request_id: r for r in reqs}
-        for g in results:
-            assert g.error is None, (g.request_id, g.error)
-            assert g.tokens == hf_reference("tiny", "cpu").greedy(
-                by_id[g.request_id].prompt_token_ids, 16, ignore_eos=True
-            ), g.request_id
+        assert_all_equal_hf(results, reqs, hf_reference("tiny", "cpu"))
         stats = asyncio.run(wait_idle(backend, 30))
         sent = stats[backend.config.actor_name("prefill", 0)]["transport"]
         print(f"{fault} every {EVERY}th chunk: {sent}")

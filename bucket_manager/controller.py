@@ -308,33 +308,37 @@ class Controller:
             return
         if d.is_alive(worker_id):
             await self._give_up_on(worker_id)
-        d.revive(worker_id, kv_blocks)
         self._up_at[worker_id] = up_at
         try:
             handle = ray.get_actor(worker_id, namespace=self.config.namespace)
         except ValueError:
             handle = self.handles.get(worker_id)
         self.handles[worker_id] = handle
-        await self._share_decode_peers()
+        # The addresses first, then the ledger: nothing is planned for it before its KV can go where it should.
+        await self._share_decode_peers(back=worker_id)
+        d.revive(worker_id, kv_blocks)
         logger.warning(
             "worker %s is back (restarted, %d KV blocks); planning for it again", worker_id, kv_blocks
         )
         self._wake.set()
 
-    async def _share_decode_peers(self) -> None:
-        """Every live prefill worker gets every live decode worker's current address."""
+    async def _share_decode_peers(self, back: str) -> None:
+        """Every live prefill worker, and ``back`` (the worker coming back), gets every live decode worker's
+        current address; returns once they have it."""
         d = self.dispatcher
-        live = [w for w in d.decode if d.is_alive(w)]
+        timeout = self.config.recover_timeout_s
+        live = [w for w in d.decode if d.is_alive(w) or w == back]
         answers = await asyncio.gather(
-            *(asyncio.wait_for(self.handles[w].peer.remote(), self.config.recover_timeout_s) for w in live),
-            return_exceptions=True,
+            *(asyncio.wait_for(self.handles[w].peer.remote(), timeout) for w in live), return_exceptions=True
         )
         peers = {
             w: peer for w, peer in zip(live, answers, strict=True) if not isinstance(peer, BaseException)
         }
-        for w in d.prefill:
-            if d.is_alive(w):
-                self.handles[w].set_decode_workers.remote(peers)
+        targets = [w for w in d.prefill if d.is_alive(w) or w == back]
+        await asyncio.gather(
+            *(asyncio.wait_for(self.handles[w].set_decode_workers.remote(peers), timeout) for w in targets),
+            return_exceptions=True,
+        )
 
     async def worker_down(self, worker_id: str, noticed_at: float | None = None) -> list[str]:
         """A worker died: mark it down and give up the requests that can no longer finish; returns their ids.

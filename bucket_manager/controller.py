@@ -364,16 +364,21 @@ class Controller:
         lost, stranded = d.stranded_by(worker_id)
         # The dead prefill worker's batches in flight may or may not have reached their decode worker: end them,
         # and abort them there too, so no decode worker keeps running (and holding blocks for) a request nobody
-        # awaits.
+        # awaits. Where each went is read now: give_up forgets it.
+        on_decode = []
         for rid in stranded:
             placed = d.placement.get(rid)
             if placed is not None and placed[1] in d.decode and d.decode[placed[1]].alive:
-                with contextlib.suppress(Exception):
-                    await self.handles[placed[1]].abort.remote(rid)
+                on_decode.append((rid, placed[1]))
         lost += [rid for rid in stranded if rid not in lost]
         lost = d.give_up(lost)
+        # Recorded before the first await: another gateway reporting the same death meanwhile gets this list (its
+        # call would otherwise find the worker down, nothing stranded left, and end none of its requests).
         self._lost_by[worker_id] = lost
         self._wake.set()
+        for rid, decode_id in on_decode:
+            with contextlib.suppress(Exception):
+                await self.handles[decode_id].abort.remote(rid)
         return lost
 
     async def state(self) -> dict:

@@ -1,10 +1,13 @@
 """The controller dies under load: Ray brings it back from its config, it rebuilds its ledger from the workers,
 the gateway sends again what its queue held, and every request still completes, token for token; nothing leaks.
-And with two gateways on one cluster, a worker's death ends the requests of both. Real Ray actors, real model."""
+And with two gateways on one cluster, a decode or a prefill worker's death ends the requests of both. Real Ray actors, real model."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import time
 
 import pytest
@@ -84,6 +87,13 @@ def test_controller_killed_under_load_comes_back_and_every_request_completes(ray
         asyncio.run(backend.shutdown())
 
 
+def assert_all_end_naming(victim: str, killed_at: float, results: list) -> None:
+    """Every request ended with an error naming the dead worker, within 5 s of its death."""
+    for g in results:
+        assert g.finish_reason == "error" and victim in (g.error or ""), (g.request_id, g.error)
+        assert g.finished_at - killed_at < 5.0, f"{g.request_id} ended {g.finished_at - killed_at:.1f}s late"
+
+
 def test_a_dead_worker_ends_the_requests_of_every_gateway(ray_session):
     """Two gateways (Ray Serve replicas) on one cluster, a request of each on the one decode worker: both end
     with an error naming it when it dies, not only the first gateway's to ask the controller."""
@@ -106,15 +116,64 @@ def test_a_dead_worker_ends_the_requests_of_every_gateway(ray_session):
             results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
             return killed_at, results
 
-        killed_at, results = asyncio.run(run())
-        for g in results:
-            assert g.finish_reason == "error" and victim in (g.error or ""), (g.request_id, g.error)
-            assert g.finished_at - killed_at < 5.0, (
-                f"{g.request_id} ended {g.finished_at - killed_at:.1f}s late"
-            )
+        assert_all_end_naming(victim, *asyncio.run(run()))
         state = ray.get(first.handles.controller.state.remote())
         assert state["in_cluster"] == 0, state
     finally:
+        asyncio.run(second.shutdown())
+        asyncio.run(first.shutdown())
+
+
+def test_a_dead_prefill_worker_ends_the_requests_of_every_gateway(ray_session):
+    """The same with the prefill worker: it is stopped (SIGSTOP) so that a request of each gateway is planned onto
+    it and held there, then killed. Both requests end with an error naming it, within seconds, and the decode
+    worker's reservations for them are freed."""
+    first = RayClusterBackend(cluster_config("disaggregated", "two-gw-prefill"))
+    second = RayClusterBackend(first.config, launch=False)
+    victim = first.config.actor_name("prefill", 0)
+    handle = first.handles.workers[victim].handle
+    pid = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()))
+    stopped = False
+    try:
+
+        async def run():
+            os.kill(pid, signal.SIGSTOP)
+            nonlocal stopped
+            stopped = True
+            tasks = [
+                asyncio.ensure_future(collect(gw, make_request(f"pgw{i}", 30, 20, seed=17 + i)))
+                for i, gw in enumerate((first, second))
+            ]
+            deadline = time.monotonic() + 30
+            while True:
+                # Both requests planned (in one batch or two: a worker takes up to two) and none still queued.
+                state = await first.handles.controller.state.remote()
+                if (
+                    state["in_cluster"] == 2
+                    and state["queued"] == 0
+                    and state["prefill"][victim]["outstanding"]
+                ):
+                    break
+                assert time.monotonic() < deadline, (
+                    f"the two requests were not planned onto the worker: {state}"
+                )
+                await asyncio.sleep(0.01)
+            os.kill(pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            return killed_at, results
+
+        assert_all_end_naming(victim, *asyncio.run(run()))
+        state = ray.get(first.handles.controller.state.remote())
+        assert state["in_cluster"] == 0 and state["queued"] == 0, state
+        assert all(d["reserved"] == 0 for d in state["decode"].values()), state
+        decode = first.config.actor_name("decode", 0)
+        stats = ray.get(first.handles.workers[decode].handle.stats.remote())
+        assert stats["kv_blocks_used"] == 0, stats
+    finally:
+        if stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         asyncio.run(second.shutdown())
         asyncio.run(first.shutdown())
 

@@ -19,6 +19,7 @@ _KINDS = {
     "latency": "bench.latency",
     "roofline": "bench.roofline",
     "soak": "bench.soak",
+    "prefill-memory": "bench.prefill_memory",
 }
 # Libraries of the ``bench`` extra: a kind that needs a missing one says so when it is run.
 _EXTRA = {"httpx", "matplotlib"}
@@ -26,7 +27,8 @@ _EXTRA = {"httpx", "matplotlib"}
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "bench", help="benchmarks: offline, kv, serve, sweep, monitor, latency, roofline, soak"
+        "bench",
+        help="benchmarks: offline, kv, serve, sweep, monitor, latency, roofline, soak, prefill-memory",
     )
     kinds = p.add_subparsers(dest="bench_kind", metavar="KIND")
     for kind, module in _KINDS.items():

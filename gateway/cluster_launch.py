@@ -12,6 +12,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, NamedTuple
 
@@ -30,6 +31,7 @@ from prefill_worker.worker import PrefillWorker
 from worker.actor import EngineWorker
 from worker.colocated import ColocatedWorker
 from worker.config import WorkerConfig
+from worker.heap import worker_env
 from worker.info import DecodePeer, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,11 @@ class ClusterConfig:
     name: str = "bucketserve"
     # Ray CPUs per worker actor; torch threads per worker; pin prefill and decode to separate cores.
     worker_num_cpus: float = 1.0
+    # Ray resources each prefill / decode worker asks for besides worker_num_cpus, which place the role on the nodes
+    # that offer them: a node group's custom resource ({"prefill": 1}), {"GPU": 1} on CUDA, {"HPU": 1} on Gaudi.
+    # Colocated workers take decode_resources. Empty: any node with the CPUs.
+    prefill_resources: Mapping[str, float] = field(default_factory=dict)
+    decode_resources: Mapping[str, float] = field(default_factory=dict)
     # None: 1 per disaggregated worker (each pinned to its own core); a colocated worker's share of the cores.
     num_threads: int | None = None
     pin_cores: bool = True
@@ -111,6 +118,21 @@ class ClusterConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"ClusterConfig.{name} must be > 0, got {value!r}")
+        for name in ("prefill_resources", "decode_resources"):
+            res = getattr(self, name)
+            if not isinstance(res, Mapping):
+                raise ValueError(f"ClusterConfig.{name} must be a mapping of resource -> amount, got {res!r}")
+            for key, amount in res.items():
+                if not isinstance(key, str) or not key:
+                    raise ValueError(
+                        f"ClusterConfig.{name}: resource names must be non-empty strings, got {key!r}"
+                    )
+                if key == "CPU":
+                    raise ValueError(
+                        f"ClusterConfig.{name}: give a worker's CPUs with ClusterConfig.worker_num_cpus, not 'CPU'"
+                    )
+                if isinstance(amount, bool) or not isinstance(amount, int | float) or not amount > 0:
+                    raise ValueError(f"ClusterConfig.{name}: {key!r} must be a number > 0, got {amount!r}")
         if not self.worker_timeout_s > self.drain_timeout_s:
             # An idle worker's drain answers only after drain_timeout_s: anything shorter would call it hung.
             raise ValueError(
@@ -153,6 +175,10 @@ class ClusterConfig:
 
     def actor_name(self, role: str, index: int | None = None) -> str:
         return f"{self.name}:{role}" if index is None else f"{self.name}:{role}-{index}"
+
+    def role_resources(self, role: str) -> dict[str, float]:
+        """The Ray resources (besides CPUs) a worker of ``role`` asks for."""
+        return dict(self.prefill_resources if role == "prefill" else self.decode_resources)
 
     def worker_ids(self) -> list[tuple[str, str]]:
         """(role, actor name) of every worker."""
@@ -246,6 +272,54 @@ def check_cluster_cpus(config: ClusterConfig) -> None:
         )
 
 
+def _placement_options(config: ClusterConfig, role: str) -> dict[str, Any]:
+    """Ray actor options placing a worker of ``role``: Ray takes GPUs as ``num_gpus`` (it then sets the actor's
+    CUDA_VISIBLE_DEVICES), any other resource in ``resources``."""
+    res = config.role_resources(role)
+    gpus = res.pop("GPU", None)
+    out: dict[str, Any] = {"resources": res} if res else {}
+    if gpus:
+        out["num_gpus"] = gpus
+    return out
+
+
+def _offers(node_resources: Mapping[str, float], need: Mapping[str, float]) -> bool:
+    return all(node_resources.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
+
+
+def check_placement(config: ClusterConfig) -> None:
+    """Raise :class:`ClusterTooSmall` when a role's resources (``prefill_resources``, ``decode_resources``) are
+    offered by no node of the cluster, nor by any its autoscaler may add: such a worker would wait for ever."""
+    from ray._private.state import state
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    try:
+        limits = state.get_max_resources_from_cluster_config()
+    except Exception:
+        limits = None
+    roles = sorted({role for role, _ in config.worker_ids()})
+    for role in roles:
+        need = {**config.role_resources(role), "CPU": config.worker_num_cpus}
+        if len(need) == 1 or any(_offers(n.get("Resources", {}), need) for n in nodes):
+            continue
+        if limits and all(k in limits for k in need):
+            continue  # the autoscaler knows node types with these: it will add one
+        key = "decode_resources" if role == "colocated" else f"{role}_resources"
+        offered = "; ".join(
+            f"{n.get('NodeManagerAddress', '?')}: "
+            + ", ".join(
+                f"{k} {v:g}" for k, v in sorted(n.get("Resources", {}).items()) if not k.startswith("node:")
+            )
+            for n in nodes
+        )
+        raise ClusterTooSmall(
+            f"no node of the Ray cluster offers {key} {dict(config.role_resources(role))} with worker_num_cpus "
+            f"{config.worker_num_cpus:g} for the {role} workers; its nodes offer: {offered or 'nothing'}. Start a "
+            f"node with them (ray start --resources '{{\"{next(iter(config.role_resources(role)))}\": 1}}', or "
+            f"--num-gpus) or change {key}"
+        )
+
+
 def _cores(role: str, index: int, config: ClusterConfig) -> tuple[int, ...]:
     """Prefill workers take cores from the front, decode workers from the back, so they never share one."""
     if not config.pin_cores:
@@ -260,7 +334,13 @@ def _cores(role: str, index: int, config: ClusterConfig) -> tuple[int, ...]:
 
 # tqdm (transformers' loading bars, the engine's warm-up bar) reads TQDM_DISABLE when it is imported, so it is
 # set in the actor's environment before its process starts.
-_QUIET_ENV = {"env_vars": {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}}
+_QUIET_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def worker_runtime_env(config: ClusterConfig) -> dict:
+    """A worker's Ray runtime_env: the oneDNN cache bound (worker/heap.py) and, when quiet, no progress bars."""
+    return {"env_vars": {**worker_env(), **(_QUIET_ENV if config.quiet else {})}}
+
 
 # TASK_EVENTS_NOTE: the cluster's actors take calls without pause (every gateway long-polls every worker, workers
 # report to the monitor several times a second); Ray's task events for each call (kept in its GCS for its task
@@ -283,6 +363,7 @@ def launch_cluster(config: ClusterConfig) -> ClusterHandles:
     ensure_ray(config)
     # Before any actor exists: a failed build under `serve run` is retried, and must fail the same way.
     check_cluster_cpus(config)
+    check_placement(config)
     t0 = time.perf_counter()
     ns = config.namespace
     life = {"lifetime": "detached"} if config.detached else {}
@@ -333,7 +414,8 @@ def launch_cluster(config: ClusterConfig) -> ClusterHandles:
                 # A dead worker is re-created from the same config: it loads and warms the model again, then
                 # rejoins (its requests in flight died with it and ended with an error).
                 max_restarts=config.worker_max_restarts,
-                runtime_env=_QUIET_ENV if config.quiet else None,
+                runtime_env=worker_runtime_env(config),
+                **_placement_options(config, role),
                 **life,
             )
             .remote(wcfg)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import inspect
+import json
 import re
 import socket
 from importlib import metadata
@@ -77,6 +78,24 @@ def port_number(value: str) -> int:
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"invalid port: {port} (must be from 1 to 65535)")
     return port
+
+
+def resource_map(value: str) -> dict[str, float]:
+    """argparse type: Ray resources as a JSON object of name -> amount, e.g. ``{"GPU": 1}`` or ``{"prefill": 1}``."""
+    try:
+        data = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"invalid JSON {value!r}: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of resource -> amount, got {value!r}")
+    out: dict[str, float] = {}
+    for name, amount in data.items():
+        if isinstance(amount, bool) or not isinstance(amount, int | float) or not amount > 0:
+            raise argparse.ArgumentTypeError(
+                f"resource {name!r}: the amount must be a number > 0, got {amount!r}"
+            )
+        out[str(name)] = float(amount)
+    return out
 
 
 def add_log_level(parser: argparse.ArgumentParser, top_level: bool) -> None:
@@ -177,6 +196,8 @@ def values_from_mapping(
                 raise FlagError(f"{source}: {key}: expected true or false, got {value!r}")
             out[dest] = value
             continue
+        if isinstance(value, dict) and action.type is resource_map:
+            value = json.dumps(value)  # a YAML mapping, read as the flag's JSON
         if isinstance(value, list | dict):
             raise FlagError(f"{source}: {key}: expected a single value, got {type(value).__name__}")
         if isinstance(value, bool) and action.type is not None:

@@ -171,3 +171,57 @@ def test_a_colocated_worker_uses_its_share_of_the_cores_unless_told():
     args.num_threads = 0
     with pytest.raises(FlagError, match="--num-threads"):
         checked_cluster_config(args)
+
+
+def test_api_key_comes_from_the_environment_unless_given(monkeypatch):
+    from gateway.commands.serve import API_KEY_ENV, api_key
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert api_key(settings([])) is None
+    monkeypatch.setenv(API_KEY_ENV, "from-secret")
+    assert api_key(settings([])) == "from-secret"
+    assert api_key(settings(["--api-key", "given"])) == "given"
+    # An empty variable (a Secret key left blank) is no key, not an empty one.
+    monkeypatch.setenv(API_KEY_ENV, "")
+    assert api_key(settings([])) is None
+
+
+def test_role_resources_from_flags_and_yaml(tmp_path):
+    args = settings(
+        ["--prefill-resources", '{"prefill": 1}', "--decode-resources", '{"GPU": 1, "decode": 0.5}']
+    )
+    cfg = cluster_config_from_args(args)
+    assert cfg.role_resources("prefill") == {"prefill": 1.0}
+    assert cfg.role_resources("decode") == {"GPU": 1.0, "decode": 0.5}
+    assert cfg.role_resources("colocated") == cfg.role_resources("decode")
+    # YAML takes a mapping or the same JSON text.
+    f = config_file(tmp_path, "prefill_resources: {HPU: 1}\ndecode_resources: '{\"HPU\": 1}'\n")
+    cfg = cluster_config_from_args(settings(["--config", f]))
+    assert cfg.role_resources("prefill") == cfg.role_resources("decode") == {"HPU": 1.0}
+    assert cluster_config_from_args(settings([])).role_resources("prefill") == {}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prefill-resources", "{prefill: 1}"], "--prefill-resources: invalid JSON"),
+        (["--decode-resources", "[1]"], "--decode-resources: expected a JSON object"),
+        (["--decode-resources", '{"GPU": 0}'], "'GPU': the amount must be a number > 0"),
+        (["--prefill-resources", '{"x": true}'], "'x': the amount must be a number > 0"),
+    ],
+)
+def test_bad_role_resources_name_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_cpu_in_role_resources_points_at_worker_num_cpus():
+    from gateway.cluster_launch import ClusterConfig
+
+    with pytest.raises(
+        ValueError, match="prefill_resources: give a worker's CPUs with ClusterConfig.worker_num_cpus"
+    ):
+        ClusterConfig(prefill_resources={"CPU": 2})
+    with pytest.raises(FlagError, match="--decode-resources: give a worker's CPUs with --worker-num-cpus"):
+        checked_cluster_config(settings(["--decode-resources", '{"CPU": 1}', "--model", "tiny"]))

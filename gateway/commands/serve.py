@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import functools
 import logging
+import os
 import signal
 import sys
 import threading
@@ -34,10 +35,14 @@ EXAMPLES = """examples:
   bucketserve serve --address auto --prefill-workers 2  # join a running Ray cluster
 """
 
+# The API key may come from the environment (a Kubernetes Secret, for one), so that it need not appear in the
+# process list or in a config file.
+API_KEY_ENV = "BUCKETSERVE_API_KEY"
+
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from engine.args import add_engine_args
-    from gateway.flags import port_number
+    from gateway.flags import port_number, resource_map
     from gateway.kv_flags import add_kv_security_args
     from kv_transfer.config import CLUSTER_TRANSPORTS
 
@@ -94,7 +99,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/* and the dashboard's data",
+        help="require 'Authorization: Bearer KEY' on /v1/* and the dashboard's data (default: "
+        f"${API_KEY_ENV}, where it is set)",
     )
     p.add_argument("--redis-url", default=None, help="monitor store in Redis (default: in memory)")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
@@ -114,6 +120,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "with an error",
     )
     p.add_argument("--worker-num-cpus", type=float, default=1.0, help="Ray CPUs each worker actor asks for")
+    for role, example in (("prefill", "'{\"prefill\": 1}'"), ("decode", "'{\"GPU\": 1}'")):
+        p.add_argument(
+            f"--{role}-resources",
+            type=resource_map,
+            default=None,
+            metavar="JSON",
+            help=f"Ray resources each {role} worker asks for besides its CPUs, placing it on the nodes that offer "
+            f"them, e.g. {example}; 'GPU' is Ray's GPU count, 'HPU' Gaudi's"
+            + ("; colocated workers take these too" if role == "decode" else ""),
+        )
     p.add_argument(
         "--num-threads",
         type=int,
@@ -223,6 +239,8 @@ def cluster_config_from_args(args: argparse.Namespace, detached: bool = False, q
         ray_address=args.address,
         name=args.name,
         worker_num_cpus=args.worker_num_cpus,
+        prefill_resources=args.prefill_resources or {},
+        decode_resources=args.decode_resources or {},
         num_threads=args.num_threads,
         pin_cores=not args.no_pin_cores,
         max_pending=args.max_pending,
@@ -269,6 +287,11 @@ def connect_backend(config):
     return RayClusterBackend(config, launch=False)
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key`` (or the config's ``api_key``), else ``$BUCKETSERVE_API_KEY``; None when neither is set."""
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
 def _without_kv_token(config):
     """The cluster's config as a gateway replica gets it: the replicas never speak to a KV endpoint, so they are
     not given its token."""
@@ -282,7 +305,7 @@ def _settings(config, args: argparse.Namespace, drain_signal: tuple[str, str] | 
 
     return GatewaySettings(
         backend_factory=functools.partial(connect_backend, _without_kv_token(config)),
-        api_key=args.api_key or None,
+        api_key=api_key(args),
         request_timeout_s=args.request_timeout_s,
         drain_signal=drain_signal,
     )
@@ -479,7 +502,7 @@ def run(args: argparse.Namespace) -> int:
         args = resolve_settings(args, getattr(args, "command_argv", None))
         config, facts = checked_cluster_config(args, quiet=not debug)
         check_port_free(args.host, args.port)
-        warn_if_open_http(args.host, args.api_key)
+        warn_if_open_http(args.host, api_key(args))
         start_up.check()
     except FlagError as e:
         if start_up.pending:  # the signal's doing (an import it cut short), not the user's mistake

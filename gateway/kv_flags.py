@@ -35,6 +35,18 @@ def add_kv_security_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-tls-key", default=None, help="PEM private key of --kv-tls-cert")
     p.add_argument(
+        "--kv-tls-server-name",
+        default=None,
+        help="name prefill workers expect in the KV certificate instead of the address they dial: one "
+        "certificate made out to this name serves every node",
+    )
+    p.add_argument(
+        "--no-kv-same-node-shm",
+        action="store_true",
+        help="KV between workers of one host over gRPC too, not shared memory (hosts whose containers do not "
+        "share /dev/shm)",
+    )
+    p.add_argument(
         "--kv-tls-ca",
         default=None,
         help="PEM CA bundle prefill workers check the KV certificate with (default: --kv-tls-cert itself, "
@@ -50,6 +62,7 @@ def _flags(token_from_env: bool) -> dict[str, str]:
         "TransferConfig.tls_cert_file": "--kv-tls-cert",
         "TransferConfig.tls_key_file": "--kv-tls-key",
         "TransferConfig.tls_ca_file": "--kv-tls-ca",
+        "TransferConfig.tls_server_name": "--kv-tls-server-name",
     }
 
 
@@ -96,6 +109,8 @@ def transfer_config_from_args(
             tls_cert_file=args.kv_tls_cert,
             tls_key_file=args.kv_tls_key,
             tls_ca_file=args.kv_tls_ca,
+            tls_server_name=args.kv_tls_server_name,
+            same_node_fast_path=not args.no_kv_same_node_shm,
         )
     except ValueError as e:
         raise ValueError(_in_flag_terms(str(e), _flags(token_from_env))) from None

@@ -80,6 +80,9 @@ class TransferConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_ca_file: str | None = None
+    # The name prefill workers expect in the KV certificate instead of the address they dial: one certificate
+    # (made out to, say, "bucketserve-kv") then serves every worker, whatever address its node is given.
+    tls_server_name: str | None = None
     # Same-node fast path: use shared memory when the peer reports the same node id.
     same_node_fast_path: bool = True
     # Same-node fast path from a KV cache allocated in shared memory (KVCache(shared_memory=True)):
@@ -128,6 +131,12 @@ class TransferConfig:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"TransferConfig.{name}: no such file {path!r}")
+        if self.tls_server_name is not None:
+            name = self.tls_server_name
+            if not isinstance(name, str) or not name or any(c.isspace() for c in name):
+                raise ValueError(f"TransferConfig.tls_server_name must be a host name, got {name!r}")
+            if not self.tls_enabled:
+                raise ValueError("TransferConfig.tls_server_name needs TLS (TransferConfig.tls_cert_file)")
         self._check_token()
         self._check_host()
 

@@ -115,7 +115,10 @@ class GrpcKVTransport(KVTransport):
                 if roots:
                     # Without a CA file, a certificate of our own is trusted (a self-signed one shared by the cluster).
                     creds = grpc.ssl_channel_credentials(Path(roots).read_bytes())
-                    ch = grpc.secure_channel(peer, creds, options=self._options())
+                    options = self._options()
+                    if self.config.tls_server_name:
+                        options = [*options, ("grpc.ssl_target_name_override", self.config.tls_server_name)]
+                    ch = grpc.secure_channel(peer, creds, options=options)
                 else:
                     ch = grpc.insecure_channel(peer, options=self._options())
                 self._channels[(peer, index)] = ch
@@ -198,6 +201,14 @@ class GrpcKVTransport(KVTransport):
         self._unary(
             peer, "Abort", pb.AbortRequest(request_id=request_id, reason=reason), pb.AbortReply, request_id
         )
+
+    def stats(self) -> dict:
+        # How each decode peer is reached ("shm" or "grpc", "+tls" when the channel is secure): what an operator
+        # checks to see that KV between nodes takes the network and KV within one takes shared memory.
+        with self.lock:
+            routes = dict(self._routes)
+        tls = "+tls" if self.config.tls_enabled else ""
+        return {**super().stats(), "routes": {p: r if r == "shm" else r + tls for p, r in routes.items()}}
 
     def _shutdown(self) -> None:
         if self._server is not None:

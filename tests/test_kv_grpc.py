@@ -90,14 +90,15 @@ def test_unreachable_peer_fails_within_the_deadline() -> None:
         tx.close()
 
 
-def _self_signed(tmp_path) -> tuple[str, str]:
-    """A certificate for 127.0.0.1 made by the openssl binary (no network, no extra Python package)."""
+def _self_signed(tmp_path, san: str = "IP:127.0.0.1,DNS:localhost") -> tuple[str, str]:
+    """A certificate for ``san`` (by default 127.0.0.1) made by the openssl binary (no network, no extra Python
+    package)."""
     import subprocess
 
     cert, key = tmp_path / "kv.pem", tmp_path / "kv.key"
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost"]
-        + ["-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        + ["-addext", f"subjectAltName={san}", "-keyout", str(key), "-out", str(cert)],
         check=True,
         capture_output=True,
     )

@@ -253,6 +253,37 @@ def test_every_address_with_tls_and_the_token_carries_kv(tmp_path) -> None:
         rx.close()
 
 
+def test_one_certificate_for_every_node_by_server_name(tmp_path) -> None:
+    """A certificate made out to a name, not an address: a sender told that name (tls_server_name) checks it
+    against the name and gets through; one checking it against the address it dials is refused."""
+    cert, key = _self_signed(tmp_path, san="DNS:bucketserve-kv")
+    cfg = TransferConfig(**BASE, host="0.0.0.0", tls_cert_file=cert, tls_key_file=key, auth_token=TOKEN)
+    rx = LocalEndpoint("grpc", SPEC, 32, cfg, advertise_host="127.0.0.1")
+    common = {"tls_ca_file": cert, "auth_token": TOKEN, "same_node_fast_path": False}
+    cache, alloc, named = _sender(tls_server_name="bucketserve-kv", **common)
+    _, alloc2, by_address = _sender(rpc_timeout_s=2.0, **common)
+    try:
+        ids = alloc.allocate(SPEC.blocks_for_tokens(20))
+        want = gather_tokens(cache, ids, 20).clone()
+        assert named.send(rx.address, "named", ids, 20, first_token=2).status == "ok"
+        got = rx.receive(5)
+        assert got["request_id"] == "named" and (got["data"] == want).all()
+        assert named.stats()["routes"] == {rx.address: "grpc+tls"}
+        with pytest.raises(KVTransferError, match="Hostname Verification"):
+            by_address.send(
+                rx.address, "by-address", alloc2.allocate(SPEC.blocks_for_tokens(20)), 20, first_token=2
+            )
+    finally:
+        named.close()
+        by_address.close()
+        rx.close()
+
+
+def test_a_server_name_needs_tls() -> None:
+    with pytest.raises(ValueError, match="tls_server_name needs TLS"):
+        TransferConfig(tls_server_name="bucketserve-kv")
+
+
 def test_a_transport_told_to_listen_widely_without_tls_refuses() -> None:
     from engine.block_allocator import BlockAllocator
     from engine.kv_cache import KVCache

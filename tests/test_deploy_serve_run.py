@@ -7,12 +7,8 @@ stops only what this test started); the YAML is the repository's file with only 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import os
-import secrets
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -23,38 +19,19 @@ import pytest
 import yaml
 from cluster_helpers import cluster_config
 from prometheus_client.parser import text_string_to_metric_families
+from ray_nodes import BIN, cluster_env, start_node, stop_node, tail
 
 from bench.server_process import REPO_ROOT, ServerProcess, free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
 
-BIN = Path(sys.executable).parent
 HEALTHY_TIMEOUT_S = 240.0
-
-
-def _tail(path: Path, n: int = 1500) -> str:
-    with contextlib.suppress(OSError):
-        return path.read_bytes()[-n:].decode(errors="replace")
-    return ""
-
-
-def _pythonpath() -> str:
-    paths = [str(REPO_ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
-    return os.pathsep.join(p for p in dict.fromkeys(paths) if p)
 
 
 def _serve_logs(ray_tmp: Path) -> str:
     """The Serve controller's log: where a failed application build is told."""
     logs = sorted((ray_tmp / "session_latest" / "logs" / "serve").glob("controller_*.log"))
-    return "\n".join(f"--- {p.name}\n{_tail(p)}" for p in logs)
-
-
-def _wait_for_line(server: ServerProcess, text: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while text not in server.log_tail(100_000):
-        if not server.alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"no {text!r} from {server.log_path.name}: {server.log_tail()}")
-        time.sleep(0.2)
+    return "\n".join(f"--- {p.name}\n{tail(p)}" for p in logs)
 
 
 @pytest.fixture
@@ -63,40 +40,13 @@ def ray_head(tmp_path: Path) -> Iterator[tuple[dict[str, str], Path]]:
     environment that reaches it (its address, its token) and its temp dir."""
     # Short: Ray's socket paths under its temp dir must fit in 107 bytes.
     ray_tmp = Path(tempfile.mkdtemp(prefix="bsray-", dir="/tmp"))
-    env = {
-        # The cluster's processes import the code from this checkout, as every node must have it installed.
-        "PYTHONPATH": _pythonpath(),
-        # Ray 2.60 turns token auth on for `ray start` wherever ~/.ray/auth_token exists: one token of our own
-        # for the head and every client keeps the test independent of that file.
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN": secrets.token_hex(32),
-        "RAY_USAGE_STATS_ENABLED": "0",
-    }
+    env = cluster_env()
     port = free_port()
-    ports = {
-        # Without the dashboard Ray still starts a dashboard process, on 8265 unless told.
-        "--dashboard-port": free_port(),
-        "--node-manager-port": free_port(),
-        "--object-manager-port": free_port(),
-        "--dashboard-agent-listen-port": free_port(),
-        "--dashboard-agent-grpc-port": free_port(),
-        "--runtime-env-agent-port": free_port(),
-        "--metrics-export-port": free_port(),
-        "--ray-client-server-port": free_port(),
-    }
-    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus", "2", "--port", str(port)]
-    cmd += ["--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", str(ray_tmp)]
-    # Worker processes on ports the OS picks: Ray's default range (10002-19999) is shared with other clusters.
-    cmd += ["--min-worker-port", "0", "--max-worker-port", "0"]
-    for flag, value in ports.items():
-        cmd += [flag, str(value)]
-    head = ServerProcess(cmd, env, tmp_path / "ray_head.log")
+    head = start_node(env, ray_tmp, tmp_path / "ray_head.log", head_port=port)
     try:
-        _wait_for_line(head, "block forever", 120)
         yield {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, ray_tmp
     finally:
-        head.proc.terminate()  # `ray start --block` stops the processes it started on SIGTERM
-        head.stop(grace_s=30)  # and this whatever of its session is left
+        stop_node(head)
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 

@@ -490,7 +490,7 @@ def _wait_for_gateway(name: str, timeout_s: float) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gateway.flags import FlagError, check_port_free
-    from gateway.ray_network import warn_if_open_http
+    from gateway.ray_network import is_loopback, warn_if_open_http
 
     debug = getattr(args, "log_level", "INFO") == "DEBUG"
     t0 = time.perf_counter()
@@ -546,6 +546,9 @@ def run(args: argparse.Namespace) -> int:
         def start_gateway() -> None:
             try:
                 serve.start(
+                    # A proxy bound to loopback answers only on its own node: one, on the head, is all that can be
+                    # reached (two nodes of one machine would also fight over the port).
+                    proxy_location="HeadOnly" if is_loopback(args.host) else "EveryNode",
                     http_options={"host": args.host, "port": args.port},
                     logging_config={"log_level": "DEBUG" if debug else "WARNING"},
                 )

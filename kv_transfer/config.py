@@ -175,3 +175,8 @@ class TransferConfig:
     @property
     def tls_enabled(self) -> bool:
         return self.tls_cert_file is not None or self.tls_ca_file is not None
+
+    def route_name(self, path: str) -> str:
+        """How KV goes for a transfer over ``path`` ("shm", "grpc", ...), as stats and metrics name it: gRPC with
+        TLS is "grpc+tls"."""
+        return f"{path}+tls" if path == "grpc" and self.tls_enabled else path

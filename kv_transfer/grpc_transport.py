@@ -207,8 +207,7 @@ class GrpcKVTransport(KVTransport):
         # checks to see that KV between nodes takes the network and KV within one takes shared memory.
         with self.lock:
             routes = dict(self._routes)
-        tls = "+tls" if self.config.tls_enabled else ""
-        return {**super().stats(), "routes": {p: r if r == "shm" else r + tls for p, r in routes.items()}}
+        return {**super().stats(), "routes": {p: self.config.route_name(r) for p, r in routes.items()}}
 
     def _shutdown(self) -> None:
         if self._server is not None:

@@ -103,10 +103,10 @@ def arrival_slot(priority_class: str, prompt_tokens: int) -> dict[str, float]:
     return {f"arr|{priority_class}": 1, f"arrtok|{priority_class}": float(prompt_tokens)}
 
 
-def transfer_totals(priority_class: str, nbytes: int, seconds: float) -> dict[str, float]:
-    """One acknowledged KV transfer, as the prefill worker reports it: bytes and latency."""
+def transfer_totals(priority_class: str, nbytes: int, seconds: float, transport: str) -> dict[str, float]:
+    """One acknowledged KV transfer, as the prefill worker reports it: bytes (by the way they went) and latency."""
     out: dict[str, float] = {}
-    _add(out, "kvbytes", nbytes)
+    _add(out, f"kvbytes|{transport}", nbytes)
     _observe(out, "kv_transfer", priority_class, seconds)
     return out
 

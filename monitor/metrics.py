@@ -141,9 +141,13 @@ def _request_families(totals: dict[str, float], model_name: str) -> Iterable[Met
             family = success if reason in SUCCESS_REASONS else failure
             family.add_metric([model_name, cls, reason], totals.get(f"req|{cls}|{reason}", 0.0))
     kv_bytes = CounterMetricFamily(
-        PREFIX + "kv_transfer_bytes", "KV-cache bytes moved from prefill to decode.", labels=["model_name"]
+        PREFIX + "kv_transfer_bytes",
+        "KV-cache bytes moved from prefill to decode, by the way they went (shm, grpc, grpc+tls).",
+        labels=["model_name", "transport"],
     )
-    kv_bytes.add_metric([model_name], totals.get("kvbytes", 0.0))
+    for key, value in sorted(totals.items()):
+        if key.startswith("kvbytes|"):
+            kv_bytes.add_metric([model_name, key.split("|", 1)[1]], value)
     return [prompt, generation, success, failure, met, kv_bytes]
 
 

@@ -62,9 +62,12 @@ class Monitor:
         """A request admitted by the gateway: feeds the arrival rate and mean prompt length."""
         self.store.add_arrival(priority_class, prompt_tokens, timestamp)
 
-    def record_transfer(self, priority_class: str, nbytes: int, seconds: float) -> None:
-        """One acknowledged prefill-to-decode KV transfer (``kv_transfer_bytes``, ``kv_transfer_latency``)."""
-        self.store.add_transfer(priority_class, nbytes, seconds)
+    def record_transfer(
+        self, priority_class: str, nbytes: int, seconds: float, transport: str = "grpc"
+    ) -> None:
+        """One acknowledged prefill-to-decode KV transfer (``kv_transfer_bytes{transport}``,
+        ``kv_transfer_latency``); ``transport``: how it went ("shm", "grpc", "grpc+tls", ...)."""
+        self.store.add_transfer(priority_class, nbytes, seconds, transport)
 
     def record_batch(self, rec: BatchRecord) -> None:
         """One executed batch: batch-size histogram and padding waste."""

@@ -17,6 +17,7 @@ Memory is bounded in every backend:
 from __future__ import annotations
 
 import json
+import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -34,6 +35,9 @@ from monitor.records import (
 )
 
 Clock = Callable[[], float]
+
+# A KV transfer's route as it becomes a metric label (and part of a Redis hash field): short, no separators.
+_TRANSPORT_NAME = re.compile(r"[a-z][a-z0-9_+]{0,31}")
 
 
 @dataclass(frozen=True)
@@ -154,7 +158,9 @@ class MonitorStore(ABC):
 
     # ------------------------------------------------------------ batches, buckets, totals
 
-    def add_transfer(self, priority_class: str, nbytes: int, seconds: float) -> None:
+    def add_transfer(self, priority_class: str, nbytes: int, seconds: float, transport: str = "grpc") -> None:
+        if not isinstance(transport, str) or not _TRANSPORT_NAME.fullmatch(transport):
+            raise ValueError(f"transport must be a short name such as 'grpc+tls', got {transport!r}")
         if priority_class not in PRIORITY_CLASSES:
             raise ValueError(f"priority_class must be one of {PRIORITY_CLASSES}, got {priority_class!r}")
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
@@ -162,7 +168,12 @@ class MonitorStore(ABC):
         if not (isinstance(seconds, int | float) and seconds >= 0):
             raise ValueError(f"seconds must be a number >= 0, got {seconds!r}")
         self._apply(
-            [HashOp(accounting.TOTALS_KEY, incr=accounting.transfer_totals(priority_class, nbytes, seconds))]
+            [
+                HashOp(
+                    accounting.TOTALS_KEY,
+                    incr=accounting.transfer_totals(priority_class, nbytes, seconds, transport),
+                )
+            ]
         )
 
     def add_batch(self, rec: BatchRecord) -> None:

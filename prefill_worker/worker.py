@@ -306,7 +306,12 @@ class PrefillWorker(EngineWorker):
                     address, rid, req.block_ids, req.num_computed_tokens, req.output_token_ids[0]
                 )
             if self._monitor is not None:
-                self._monitor.record_transfer.remote(msg.priority_class, result.bytes, result.latency_s)
+                self._monitor.record_transfer.remote(
+                    msg.priority_class,
+                    result.bytes,
+                    result.latency_s,
+                    self.config.transfer.route_name(result.backend),
+                )
         except KVTransferError as e:
             handle.forget.remote(rid)
             if not self._aborted(rid):

@@ -54,7 +54,8 @@ def _feed(mon: Monitor, clock: FakeClock) -> None:
     )
     # KV transfers come from the prefill workers, one per acknowledged transfer (not from request records).
     for _ in range(4):
-        mon.record_transfer("online", 4096, 0.002)
+        mon.record_transfer("online", 4096, 0.002, "grpc")
+    mon.record_transfer("online", 1024, 0.001, "shm")
     mon.record_batch(
         BatchRecord("prefill-0", "prefill", batch_size=3, real_tokens=300, padded_tokens=512, timestamp=t)
     )
@@ -134,7 +135,9 @@ def test_counters_and_gauges(text: str) -> None:
         )
         == 1
     )
-    assert _value(f["bucketserve:kv_transfer_bytes"], "bucketserve:kv_transfer_bytes_total") == 4 * 4096
+    kv = f["bucketserve:kv_transfer_bytes"]
+    assert _value(kv, "bucketserve:kv_transfer_bytes_total", transport="grpc") == 4 * 4096
+    assert _value(kv, "bucketserve:kv_transfer_bytes_total", transport="shm") == 1024
 
     slo = f["bucketserve:slo_attainment_ratio"]
     assert math.isclose(_value(slo, "bucketserve:slo_attainment_ratio", priority_class="online"), 2 / 3)

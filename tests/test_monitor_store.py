@@ -223,7 +223,7 @@ def test_totals_histograms_and_batches(make_store: Any) -> None:
     assert t["h|batch_size|prefill|2"] == 1  # 3 -> le=4
     assert (t["pad|prefill|real"], t["pad|prefill|padded"]) == (300, 512)
     # KV bytes come only from the prefill workers' transfer reports, not from request records.
-    assert "kvbytes" not in t and "hc|kv_transfer|online" not in t
+    assert not any(k.startswith("kvbytes") for k in t) and "hc|kv_transfer|online" not in t
     # Prometheus buckets are "less than or equal": 0.1 s exactly belongs to le="0.1" (index 7).
     store.add_request(request("edge", ttft_s=0.1))
     assert store.totals()["h|ttft|online|7"] == 1
@@ -231,11 +231,15 @@ def test_totals_histograms_and_batches(make_store: Any) -> None:
 
 def test_kv_transfers_reported_by_prefill_workers(make_store: Any) -> None:
     store = make_store(FakeClock())
-    store.add_transfer("offline", 1 << 20, 0.004)
-    store.add_transfer("offline", 1 << 20, 0.006)
+    store.add_transfer("offline", 1 << 20, 0.004, "grpc+tls")
+    store.add_transfer("offline", 1 << 20, 0.006, "grpc+tls")
+    store.add_transfer("online", 1 << 10, 0.001, "shm")
     t = store.totals()
-    assert t["kvbytes"] == 2 << 20
+    # Bytes by the way they went: the transport is a label of kv_transfer_bytes.
+    assert t["kvbytes|grpc+tls"] == 2 << 20 and t["kvbytes|shm"] == 1 << 10
     assert t["hc|kv_transfer|offline"] == 2 and math.isclose(t["hs|kv_transfer|offline"], 0.010)
+    with pytest.raises(ValueError, match="transport"):
+        store.add_transfer("online", 1, 0.1, "grpc|x")
     with pytest.raises(ValueError, match="priority_class"):
         store.add_transfer("batch", 1, 0.1)
     with pytest.raises(ValueError, match="nbytes"):

@@ -12,10 +12,13 @@ import json
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from gateway_helpers import greedy_completions
+from prometheus_client.parser import text_string_to_metric_families
 from ray_nodes import BIN, cluster_env, start_node, stop_node
 from test_kv_grpc import _self_signed
 
@@ -108,6 +111,21 @@ def test_prefill_and_decode_on_two_nodes_kv_over_the_network(tmp_path: Path, hf_
         assert list(routes.values()) == ["grpc+tls"] and next(iter(routes)).startswith("127.0.0.2:"), routes
         sent = where["prefill"]["stats"]["transport"]
         assert sent["bytes_sent"] > 0, sent
+        # ... and /metrics counts those bytes under that transport (workers report on their heartbeat).
+        deadline = time.monotonic() + 30
+        while True:
+            text = httpx.get(base + "/metrics", timeout=10).text
+            kv = {
+                s.labels["transport"]: s.value
+                for f in text_string_to_metric_families(text)
+                if f.name == "bucketserve:kv_transfer_bytes"
+                for s in f.samples
+            }
+            if kv.get("grpc+tls", 0) > 0:
+                break
+            assert time.monotonic() < deadline, kv
+            time.sleep(0.5)
+        assert set(kv) == {"grpc+tls"}, kv
         serve.stop(grace_s=30)
         serve = None
 

@@ -57,3 +57,67 @@ def recommend_split(
         "recommended": f"{best['prefill_workers']}:{best['decode_workers']}",
         "recommended_attainment": best["slo_attainment"],
     }
+
+
+def _nodes(workers: int, tp: int, cards_per_node: int) -> int:
+    return -(-workers * tp // cards_per_node)
+
+
+def plan_cluster(
+    config: SimConfig,
+    tp: int,
+    cards_per_node: int,
+    workload: str,
+    target_rate: float,
+    num_requests: int,
+    goal: float = 0.9,
+    max_workers: int = 64,
+    seed: int = 0,
+    **kw: Any,
+) -> dict[str, Any]:
+    """The fewest workers (of ``tp`` cards each) whose best prefill:decode split holds ``goal`` SLO attainment at
+    ``target_rate``, and the nodes they take: prefill and decode on nodes of their own (the node groups of a
+    KubeRay deployment), ``cards_per_node`` cards each.
+
+    Attainment grows with the worker count, so the count is found by doubling and then bisecting, each step
+    trying every split of that count.
+    """
+    if not 0 < goal <= 1:
+        raise ValueError(f"goal must be in (0, 1], got {goal}")
+    tried: dict[int, dict[str, Any]] = {}
+
+    def best(workers: int) -> dict[str, Any]:
+        if workers not in tried:
+            tried[workers] = recommend_split(config, workers, workload, target_rate, num_requests, seed, **kw)
+        return tried[workers]
+
+    def holds(workers: int) -> bool:
+        return (best(workers)["recommended_attainment"] or 0.0) >= goal
+
+    lo, hi = 1, 2  # lo: known too few (a split needs 2)
+    while not holds(hi):
+        lo = hi
+        if hi >= max_workers:
+            return {"reached": False, "goal": goal, "max_workers": max_workers, "best": best(hi)}
+        hi = min(2 * hi, max_workers)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            hi = mid
+        else:
+            lo = mid
+    split = best(hi)
+    p, d = (int(x) for x in split["recommended"].split(":"))
+    return {
+        "reached": True,
+        "goal": goal,
+        "target_rate": target_rate,
+        "tp": tp,
+        "workers": hi,
+        "prefill_workers": p,
+        "decode_workers": d,
+        "cards": hi * tp,
+        "nodes": _nodes(p, tp, cards_per_node) + _nodes(d, tp, cards_per_node),
+        "attainment": split["recommended_attainment"],
+        "split": split,
+    }

@@ -1,8 +1,11 @@
 """``bucketserve simulate``: the capacity simulator.
 
 * default: project the SLO-attainment curve of ``--prefill-workers`` + ``--decode-workers`` (or colocated
-  workers) over ``--rates``, with costs from ``--calibration FILE`` (measured) or ``--hardware gaudi2|h100``
-  (projection); with ``--target-rate`` also recommend a prefill:decode split of ``--cards`` cards;
+  workers) over ``--rates``, with costs from ``--calibration FILE`` (measured) or ``--hardware
+  gaudi2|gaudi3|h100|h200`` (projection); with ``--target-rate`` also recommend a prefill:decode split of
+  ``--cards`` cards;
+* ``--plan`` (with ``--hardware`` and ``--target-rate``): the fewest workers, their split and the nodes they
+  take to hold ``--goal`` SLO attainment at that rate;
 * ``--calibrate``: measure the engine on this machine and write a calibration JSON;
 * ``--validate``: start the cluster, measure attainment at each rate and compare with the simulation.
 
@@ -73,6 +76,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=450.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--target-rate", type=float, default=None, help="recommend a prefill:decode split for it")
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="with --hardware and --target-rate: the fewest workers and nodes, and their split, that hold --goal",
+    )
+    p.add_argument("--goal", type=float, default=0.9, help="--plan: SLO attainment to hold (default 0.9)")
+    p.add_argument("--max-workers", type=int, default=64, help="--plan: the most workers to try")
     p.add_argument(
         "--cards", type=int, default=None, help="cards to split (default: prefill + decode workers)"
     )
@@ -148,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
         "num_prompts": args.num_prompts,
         "seed": args.seed,
     }
+    if args.plan:
+        return _plan(args, config, result, kw)
     result |= curve(config, args.workload, args.rates, args.num_prompts, args.seed, **kw)
     if args.target_rate is not None:
         cards = args.cards or (
@@ -174,6 +186,51 @@ def run(args: argparse.Namespace) -> int:
         from bench.report import write_report
 
         write_report(args.out, f"Simulated capacity: {args.workload}, {cost.name}", result)
+    print(json.dumps(result))
+    return 0
+
+
+def _plan(args: argparse.Namespace, config, result: dict[str, Any], kw: dict[str, Any]) -> int:
+    """``--plan``: size a cluster of ``--hardware`` for ``--target-rate`` (a projection)."""
+    from bench.simulator.capacity import plan_cluster
+    from bench.simulator.cost_model import ACCELERATORS, tensor_parallel
+
+    if not args.hardware or args.target_rate is None:
+        print("error: --plan needs --hardware and --target-rate", file=sys.stderr)
+        return 2
+    tp = tensor_parallel(args.hardware, args.projection_model)
+    try:
+        plan = plan_cluster(
+            config,
+            tp,
+            ACCELERATORS[args.hardware].cards_per_node,
+            args.workload,
+            args.target_rate,
+            args.num_prompts,
+            goal=args.goal,
+            max_workers=args.max_workers,
+            seed=args.seed,
+            **kw,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result["plan"] = plan
+    if not args.json:
+        print(f"cost model {result['cost_model']}: {result['cost_source']}")
+        if plan["reached"]:
+            print(
+                f"{args.target_rate} req/s at >= {args.goal:.0%} SLO attainment (projection): "
+                f"{plan['prefill_workers']} prefill + {plan['decode_workers']} decode workers of {tp} card(s), "
+                f"{plan['nodes']} nodes of {ACCELERATORS[args.hardware].cards_per_node} "
+                f"({plan['attainment']} attainment)"
+            )
+        else:
+            print(f"not reached within {args.max_workers} workers: best {plan['best']['recommended']}")
+    if args.out:
+        from bench.report import write_report
+
+        write_report(args.out, f"Cluster plan: {args.workload}, {result['cost_model']}", result)
     print(json.dumps(result))
     return 0
 

@@ -215,9 +215,13 @@ class Accelerator:
     bf16_flops: float  # dense peak, FLOP/s
     memory_bytes: float
     memory_gbps: float  # HBM bandwidth, GB/s
-    link_gbps: float  # card-to-card, one way, GB/s
+    link_gbps: float  # card-to-card, one way, GB/s: what a prefill worker's KV crosses to its decode worker
     block_size: int  # the device's default KV block size (128 on Gaudi, 16 on CUDA)
     source: str
+    # Within one node, one way, GB/s: what a tensor-parallel worker's all-reduces cross (NVLink; Gaudi's
+    # on-chip RoCE ports wired card to card).
+    scaleup_gbps: float = 0.0
+    cards_per_node: int = 8
 
 
 ACCELERATORS = {
@@ -229,6 +233,20 @@ ACCELERATORS = {
         link_gbps=37.5,
         block_size=128,
         source="Intel Gaudi 2 white paper / habana.ai/products/gaudi2",
+        # 21 of its 24 100 GbE ports wired to the other 7 cards of an HLS-2 node.
+        scaleup_gbps=262.5,
+    ),
+    "gaudi3": Accelerator(
+        "Intel Gaudi 3",
+        bf16_flops=1835e12,
+        memory_bytes=128e9,
+        memory_gbps=3700.0,
+        # 3 of its 24 200 GbE ports for scale-out.
+        link_gbps=75.0,
+        block_size=128,
+        source="Intel Gaudi 3 AI accelerator white paper (HL-325L OAM)",
+        # 21 of its 24 200 GbE ports wired to the other 7 cards of a node.
+        scaleup_gbps=525.0,
     ),
     "h100": Accelerator(
         "NVIDIA H100 SXM5",
@@ -238,6 +256,17 @@ ACCELERATORS = {
         link_gbps=450.0,
         block_size=16,
         source="NVIDIA H100 datasheet, SXM5 column",
+        scaleup_gbps=450.0,
+    ),
+    "h200": Accelerator(
+        "NVIDIA H200 SXM",
+        bf16_flops=989e12,
+        memory_bytes=141e9,
+        memory_gbps=4800.0,
+        link_gbps=450.0,
+        block_size=16,
+        source="NVIDIA H200 datasheet, SXM column",
+        scaleup_gbps=450.0,
     ),
 }
 
@@ -259,6 +288,7 @@ class ModelShape:
 
 PROJECTION_MODELS = {
     "llama3-8b": ModelShape("Llama-3-8B", 8.03e9, 32, 4096, 8, 128, 2),
+    "llama3-70b": ModelShape("Llama-3-70B", 70.6e9, 80, 8192, 8, 128, 2),
 }
 
 COMPUTE_EFFICIENCY = 0.5
@@ -266,7 +296,20 @@ MEMORY_EFFICIENCY = 0.6
 LINK_EFFICIENCY = 0.7
 MEMORY_UTILIZATION = 0.9
 LAUNCH_OVERHEAD_S = 2e-3  # per batch or step: host scheduling, graph launch
+# A tensor-parallel worker's weights may take this share of its cards' memory; the rest holds KV and activations.
+MAX_WEIGHT_SHARE = 0.6
+ALLREDUCE_LATENCY_S = 10e-6  # per all-reduce: two per layer in a tensor-parallel forward
 PROJECTED_TRANSFER_LATENCY_S = 1e-3
+
+
+def tensor_parallel(hardware: str, model: str) -> int:
+    """Cards per worker: the fewest (1, 2, 4 or 8) whose memory holds the model's weights within
+    ``MAX_WEIGHT_SHARE``, leaving the rest for KV."""
+    acc, m = ACCELERATORS[hardware], PROJECTION_MODELS[model]
+    for tp in (1, 2, 4, 8):
+        if m.params * m.dtype_bytes / tp <= MAX_WEIGHT_SHARE * acc.memory_bytes:
+            return tp
+    raise ValueError(f"{m.name} does not fit 8 cards of {acc.name}")
 
 
 def project(
@@ -276,35 +319,54 @@ def project(
     max_num_seqs: int = 128,
     max_num_prefill_seqs: int = 16,
     max_num_batched_tokens: int = 8192,
+    tp: int | None = None,
 ) -> CostModel:
-    """A cost model for one card of ``hardware`` running ``model``, from peak figures (a projection)."""
+    """A cost model for one worker of ``tp`` cards of ``hardware`` running ``model`` (default: as few cards as
+    hold it, :func:`tensor_parallel`), from peak figures (a projection).
+
+    With ``tp`` cards, compute, memory bandwidth and memory add up, and every layer adds two all-reduces of the
+    tokens' hidden states over the node's scale-up links (ring: ``2 (tp - 1) / tp`` of the bytes each way).
+    """
     if hardware not in ACCELERATORS:
         raise ValueError(f"hardware must be one of {sorted(ACCELERATORS)}, got {hardware!r}")
     if model not in PROJECTION_MODELS:
         raise ValueError(f"model must be one of {sorted(PROJECTION_MODELS)}, got {model!r}")
     acc, m = ACCELERATORS[hardware], PROJECTION_MODELS[model]
-    flops = acc.bf16_flops * COMPUTE_EFFICIENCY
-    bw = acc.memory_gbps * 1e9 * MEMORY_EFFICIENCY
+    tp = tp or tensor_parallel(hardware, model)
+    if tp not in (1, 2, 4, 8) or tp > acc.cards_per_node:
+        raise ValueError(f"tp must be 1, 2, 4 or 8 cards of one node, got {tp}")
+    flops = acc.bf16_flops * COMPUTE_EFFICIENCY * tp
+    bw = acc.memory_gbps * 1e9 * MEMORY_EFFICIENCY * tp
     weight_bytes = m.params * m.dtype_bytes
     kv_block_bytes = m.kv_bytes_per_token * acc.block_size
-    num_blocks = int((acc.memory_bytes * MEMORY_UTILIZATION - weight_bytes) // kv_block_bytes)
+    num_blocks = int((acc.memory_bytes * tp * MEMORY_UTILIZATION - weight_bytes) // kv_block_bytes)
+    if num_blocks < 1:
+        raise ValueError(f"{m.name} leaves no KV memory on {tp} card(s) of {acc.name}")
     # Attention flops per q^2 of one sequence: QK^T and AV, each `hidden` MACs per token pair per layer (every
     # query head computes, whatever the KV heads), 2 flops per MAC, half the square for the causal mask.
     attn_per_q2 = 2 * m.num_layers * m.hidden
+    # Tensor parallelism: per token, 2 all-reduces per layer of its hidden state; per step, their latency.
+    allreduce_per_token_s = allreduce_base_s = 0.0
+    if tp > 1:
+        ring = 2 * (tp - 1) / tp
+        scaleup = acc.scaleup_gbps * 1e9 * LINK_EFFICIENCY
+        allreduce_per_token_s = 2 * m.num_layers * ring * m.hidden * m.dtype_bytes / scaleup
+        allreduce_base_s = 2 * m.num_layers * ALLREDUCE_LATENCY_S
     return CostModel(
-        name=f"{hardware}-{model}",
+        name=f"{hardware}-{model}" + (f"-tp{tp}" if tp > 1 else ""),
         source=(
             f"projection from stated figures ({acc.name}: {acc.bf16_flops / 1e12:.0f} TFLOP/s bf16, "
-            f"{acc.memory_gbps / 1000:.2f} TB/s, link {acc.link_gbps:.1f} GB/s; {acc.source}), efficiency "
-            f"compute {COMPUTE_EFFICIENCY}, memory {MEMORY_EFFICIENCY}, link {LINK_EFFICIENCY}; {m.name}"
+            f"{acc.memory_gbps / 1000:.2f} TB/s, link {acc.link_gbps:.1f} GB/s, scale-up {acc.scaleup_gbps:.1f} "
+            f"GB/s; {acc.source}), {tp} card(s) per worker, efficiency compute {COMPUTE_EFFICIENCY}, memory "
+            f"{MEMORY_EFFICIENCY}, link {LINK_EFFICIENCY}; {m.name}"
         ),
-        prefill_base_s=LAUNCH_OVERHEAD_S,
+        prefill_base_s=LAUNCH_OVERHEAD_S + allreduce_base_s,
         prefill_per_seq_s=0.0,
         # Weights must also stream from memory once per batch; for any real batch compute dominates.
-        prefill_per_token_s=2 * m.params / flops,
+        prefill_per_token_s=2 * m.params / flops + allreduce_per_token_s,
         prefill_per_attn_s=attn_per_q2 / flops,
-        decode_base_s=LAUNCH_OVERHEAD_S + weight_bytes / bw,
-        decode_per_seq_s=2 * m.params / flops,
+        decode_base_s=LAUNCH_OVERHEAD_S + allreduce_base_s + weight_bytes / bw,
+        decode_per_seq_s=2 * m.params / flops + allreduce_per_token_s,
         decode_per_block_s=kv_block_bytes / bw,
         transfer_latency_s=PROJECTED_TRANSFER_LATENCY_S,
         transfer_gbps=acc.link_gbps * LINK_EFFICIENCY,

@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from bucket_manager.autoscale import ROLES, ScalingConfig, ScalingState, idle, pressure
 from bucket_manager.dispatcher import SCHEDULING, Dispatcher, DispatcherConfig, check_planning_config
 from bucket_manager.priority import PriorityPolicy
 from bucket_manager.request import RequestSummary
@@ -60,6 +61,13 @@ class ControllerConfig:
     workers: tuple[tuple[str, str], ...] = ()
     # The most a restarted controller waits for one worker's answer while it rebuilds (a dead or hung one is down).
     recover_timeout_s: float = 10.0
+    # Autoscaling (bucket_manager/autoscale.py): None keeps the worker counts of the start. Needs a spawner.
+    scaling: ScalingConfig | None = None
+    # How often the autoscaling policy is evaluated.
+    scaling_interval_s: float = 0.25
+    # A drained worker is killed this long after it leaves the cluster's member list, so that every gateway has
+    # stopped reading from it first (they re-read the list twice a second).
+    retire_grace_s: float = 2.0
 
     def __post_init__(self) -> None:
         check_planning_config(self)
@@ -74,6 +82,8 @@ class ControllerConfig:
             "stats_max_age_s",
             "stats_first_wait_s",
             "recover_timeout_s",
+            "scaling_interval_s",
+            "retire_grace_s",
         ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
@@ -99,10 +109,23 @@ def restarted_actor() -> bool:
 
 
 class Controller:
-    """Run as a named async Ray actor (``ray.remote(Controller).options(name=...)``)."""
+    """Run as a named async Ray actor (``ray.remote(Controller).options(name=...)``).
 
-    def __init__(self, config: ControllerConfig) -> None:
+    ``spawner`` (autoscaling) starts and stops worker actors; the launcher, which knows how a worker is made, hands
+    it over. It has ``start(role) -> worker id`` (returns at once; the worker calls ``worker_up`` once warmed),
+    ``stop(worker id)`` and ``candidates() -> [(role, worker id)]``: every name a worker it started may have, so a
+    restarted controller finds them too.
+    """
+
+    def __init__(self, config: ControllerConfig, spawner: Any = None) -> None:
         self.config = config
+        self._spawner = spawner
+        self._scaling = (
+            ScalingState(config.scaling) if config.scaling is not None and spawner is not None else None
+        )
+        self._scaled_at = 0.0
+        # Workers removed by the autoscaler: a gateway that reports one as dead lost nothing with it.
+        self._retired: set[str] = set()
         self.dispatcher = Dispatcher(config.dispatcher_config(), on_buckets=self._publish_buckets)
         self.handles: dict[str, Any] = {}  # worker id -> actor handle
         # The monitor's figures: when they were last asked for and last received, the read in flight (one at a
@@ -169,13 +192,10 @@ class Controller:
         timeout = self.config.recover_timeout_s
 
         async def find(name: str) -> tuple[Any, int] | None:
-            try:
-                handle = ray.get_actor(name, namespace=self.config.namespace)
-                info = await asyncio.wait_for(handle.info.remote(), timeout)
-                return handle, info.kv_blocks_total
-            except Exception as e:
-                logger.warning("worker %s did not answer the restarted controller (%s): down", name, e)
-                return None
+            row = await self._probe(name)
+            if row is None:
+                logger.warning("worker %s is down after the controller's restart", name)
+            return row
 
         found = await asyncio.gather(*(find(name) for _, name in self.config.workers))
         pools: dict[str, dict[str, tuple[Any, int]]] = {"prefill": {}, "decode": {}}
@@ -185,6 +205,16 @@ class Controller:
                 down.append(name)
                 row = (None, 1)
             pools[role][name] = row
+        # Workers the autoscaler added: those alive rejoin the ledger; the others were removed or never started.
+        configured = {name for _, name in self.config.workers}
+        extras = [
+            (r, n) for r, n in (self._spawner.candidates() if self._spawner else ()) if n not in configured
+        ]
+        for (role, name), row in zip(
+            extras, await asyncio.gather(*(self._probe(n) for _, n in extras)), strict=True
+        ):
+            if row is not None:
+                pools[role][name] = row
         await self._register(pools["prefill"], pools["decode"])
         for name in down:
             self.dispatcher.mark_down(name)
@@ -216,6 +246,19 @@ class Controller:
             state["in_cluster"],
             down or "none",
         )
+
+    async def _probe(self, name: str) -> tuple[Any, int] | None:
+        """An actor of that name, if one runs, and its KV capacity; None when there is none or it does not answer."""
+        try:
+            handle = ray.get_actor(name, namespace=self.config.namespace)
+        except ValueError:
+            return None
+        try:
+            info = await asyncio.wait_for(handle.info.remote(), self.config.recover_timeout_s)
+        except Exception as e:
+            logger.warning("worker %s did not answer the restarted controller (%s)", name, e)
+            return None
+        return handle, info.kv_blocks_total
 
     # ------------------------------------------------------------------ requests
     async def submit(self, summary: RequestSummary, payload: object) -> None:
@@ -303,8 +346,19 @@ class Controller:
         again (a restarted decode worker listens on a new one; a restarted prefill worker knows none)."""
         await self._ready()
         d = self.dispatcher
+        if self._scaling is not None and worker_id in self._scaling.starting:
+            await self._join(worker_id, kv_blocks)
+            return
         if worker_id not in d.prefill and worker_id not in d.decode:
-            logger.warning("worker_up from %s, which is not one of this cluster's workers", worker_id)
+            role = (
+                dict((n, r) for r, n in self._spawner.candidates()).get(worker_id) if self._scaling else None
+            )
+            if role is None:
+                logger.warning("worker_up from %s, which is not one of this cluster's workers", worker_id)
+                return
+            # Started by this controller's last life (the decision died with it): it joins all the same.
+            self._scaling.started(role, worker_id, time.monotonic())  # type: ignore[union-attr]
+            await self._join(worker_id, kv_blocks)
             return
         if d.is_alive(worker_id):
             await self._give_up_on(worker_id)
@@ -340,6 +394,13 @@ class Controller:
             return_exceptions=True,
         )
 
+    async def members(self) -> dict[str, str]:
+        """The cluster's workers now, id -> role: what every gateway reads from (it follows the autoscaler's
+        additions and removals). A worker still starting is not one yet."""
+        await self._ready()
+        d = self.dispatcher
+        return {w: role for role, pool in (("prefill", d.prefill), ("decode", d.decode)) for w in pool}
+
     async def worker_down(self, worker_id: str, noticed_at: float | None = None) -> list[str]:
         """A worker died: mark it down and give up the requests that can no longer finish; returns their ids.
 
@@ -350,6 +411,8 @@ class Controller:
         prefill worker that later gives one of them back is told not to retry.
         """
         await self._ready()
+        if worker_id in self._retired:
+            return []  # drained, then removed by the autoscaler: it held nothing
         if not self.dispatcher.is_alive(worker_id) and worker_id in self._lost_by:
             # Every gateway asks: each gets the whole list, and ends the streams among them that are its own.
             return list(self._lost_by[worker_id])
@@ -383,7 +446,10 @@ class Controller:
 
     async def state(self) -> dict:
         await self._ready()
-        return {**self.dispatcher.state(), "incarnation": self.incarnation}
+        state = {**self.dispatcher.state(), "incarnation": self.incarnation}
+        if self._scaling is not None:
+            state["scaling"] = self._scaling.summary()
+        return state
 
     # ------------------------------------------------------------------ internals
     def _mark_down(self, worker_id: str) -> None:
@@ -398,6 +464,7 @@ class Controller:
             try:
                 self._refresh_stats()
                 self._plan_all()
+                self._autoscale()
             except Exception:  # the planner must survive a bad figure or a dead worker
                 logger.exception("controller planning failed")
 
@@ -442,6 +509,104 @@ class Controller:
             self._stats_stale = False
             logger.warning("monitor figures are fresh again")
         self._wake.set()  # new figures may let a waiting batch fit
+
+    # ------------------------------------------------------------------ autoscaling
+    def _autoscale(self) -> None:
+        """Evaluate the policy (bucket_manager/autoscale.py) for each role, act on it, and retire drained workers."""
+        s = self._scaling
+        now = time.monotonic()
+        if s is None or now - self._scaled_at < self.config.scaling_interval_s:
+            return
+        self._scaled_at = now
+        d, cfg = self.dispatcher, s.config
+        oldest = d.oldest_queued_arrival()
+        wait = None if oldest is None else max(0.0, time.time() - oldest)
+        for role in ROLES:
+            serving, busy, kv_usage = d.role_load(role)
+            s.observe(
+                role,
+                now,
+                pressure(role, cfg, wait, kv_usage, busy, serving),
+                idle(role, cfg, len(d.queue), busy, kv_usage),
+            )
+            step = s.step(role, now, serving)
+            if step > 0:
+                self._scale_up(role, now, wait, kv_usage)
+            elif step < 0:
+                self._scale_down(role, now)
+        for worker_id in [w for w in s.draining if d.drained(w)]:
+            self._retire(worker_id, now)
+
+    def _scale_up(self, role: str, now: float, wait: float | None, kv_usage: float) -> None:
+        try:
+            worker_id = self._spawner.start(role)
+        except Exception:
+            logger.exception("could not start a %s worker", role)
+            return
+        self._scaling.started(role, worker_id, now)  # type: ignore[union-attr]
+        why = (
+            f"oldest queued request waited {wait:.2f} s"
+            if role == "prefill"
+            else f"KV {kv_usage:.0%} promised"
+        )
+        logger.warning("scaling %s up: starting %s (%s)", role, worker_id, why)
+        self._record_scaling(role, "up")
+
+    def _scale_down(self, role: str, now: float) -> None:
+        d = self.dispatcher
+        pool = d.prefill if role == "prefill" else d.decode
+        candidates = [w for w in pool.values() if d._usable(w)]
+        if len(candidates) < 2:
+            return
+        # The least loaded; among equals the newest (the launcher's first workers stay).
+        victim = max(candidates, key=lambda w: (-(len(w.outstanding) + len(w.reserved)), w.worker_id))
+        d.drain(victim.worker_id)
+        self._scaling.drain(role, victim.worker_id, now)  # type: ignore[union-attr]
+        logger.warning("scaling %s down: draining %s", role, victim.worker_id)
+        self._record_scaling(role, "down")
+
+    def _retire(self, worker_id: str, now: float) -> None:
+        self.dispatcher.remove_worker(worker_id)
+        self.handles.pop(worker_id, None)
+        self._retired.add(worker_id)
+        event = self._scaling.removed(worker_id, now)  # type: ignore[union-attr]
+        logger.warning(
+            "%s drained and removed after %.1f s",
+            worker_id,
+            (event.done_at - event.decided_at) if event else 0.0,
+        )
+        asyncio.get_running_loop().call_later(self.config.retire_grace_s, self._stop_worker, worker_id)
+        self._wake.set()
+
+    def _stop_worker(self, worker_id: str) -> None:
+        try:
+            self._spawner.stop(worker_id)
+        except Exception as e:
+            logger.warning("could not stop %s: %s", worker_id, e)
+
+    async def _join(self, worker_id: str, kv_blocks: int) -> None:
+        """A worker the autoscaler started is warmed: into the ledger, the prefill workers told its KV address (or
+        it theirs), then planned for."""
+        d = self.dispatcher
+        event = self._scaling.starting[worker_id]  # type: ignore[union-attr]
+        self.handles[worker_id] = ray.get_actor(worker_id, namespace=self.config.namespace)
+        d.add_worker(event.role, worker_id, kv_blocks)
+        self._retired.discard(worker_id)
+        await self._share_decode_peers(back=worker_id)
+        d.revive(worker_id, kv_blocks)
+        self._scaling.serving(worker_id, time.monotonic())  # type: ignore[union-attr]
+        logger.warning(
+            "%s serving %.1f s after the decision (%d KV blocks)",
+            worker_id,
+            (event.done_at or 0.0) - event.decided_at,
+            kv_blocks,
+        )
+        self._wake.set()
+
+    def _record_scaling(self, role: str, direction: str) -> None:
+        if self._monitor is not None:
+            with contextlib.suppress(Exception):
+                self._monitor.record_scaling.remote(role, direction)
 
     def _plan_all(self) -> None:
         for batch in self.dispatcher.plan(time.time()):

@@ -122,6 +122,7 @@ class Dispatcher:
         self._queued_max_tokens = 0
         self._reported: dict[str, int] = {}
         self._down: set[str] = set()
+        self._draining: set[str] = set()
 
     # ------------------------------------------------------------------ workers
     def set_workers(self, prefill: Mapping[str, int], decode: Mapping[str, int]) -> None:
@@ -154,8 +155,43 @@ class Dispatcher:
             if worker_id in pool:
                 pool[worker_id] = WorkerLedger(worker_id, total_blocks)
 
+    def add_worker(self, role: str, worker_id: str, total_blocks: int) -> None:
+        """A worker added while the cluster runs (autoscaling): in the ledger, not yet planned for (``revive``)."""
+        pool = self.prefill if role == "prefill" else self.decode
+        if worker_id in self.prefill or worker_id in self.decode:
+            raise ValueError(f"worker {worker_id!r} is already in the ledger")
+        pool[worker_id] = WorkerLedger(worker_id, total_blocks, alive=False)
+
+    def drain(self, worker_id: str) -> None:
+        """Plan nothing more for the worker; what it holds runs to its end (then ``remove_worker``)."""
+        self._draining.add(worker_id)
+
+    def drained(self, worker_id: str) -> bool:
+        """Whether a worker holds nothing: no batch (prefill), no reservation (decode)."""
+        w = self.prefill.get(worker_id) or self.decode.get(worker_id)
+        return w is None or (not w.outstanding and not w.reserved)
+
+    def remove_worker(self, worker_id: str) -> None:
+        for pool in (self.prefill, self.decode):
+            pool.pop(worker_id, None)
+        self._draining.discard(worker_id)
+
+    def role_load(self, role: str) -> tuple[int, int, float]:
+        """(workers planned for, of them busy, share of their KV blocks promised) of a role, from the ledger."""
+        pool = self.prefill if role == "prefill" else self.decode
+        live = [w for w in pool.values() if self._usable(w)]
+        total = sum(w.total_blocks for w in live)
+        used = sum(w.reserved_blocks() for w in live)
+        busy = sum(1 for w in live if w.outstanding or w.reserved)
+        return len(live), busy, (used / total if total else 0.0)
+
+    def oldest_queued_arrival(self) -> float | None:
+        heads = [self.queue.oldest(c) for c in PriorityClass]
+        arrivals = [h.arrival for h in heads if h is not None]
+        return min(arrivals) if arrivals else None
+
     def _usable(self, w: WorkerLedger) -> bool:
-        return w.alive and w.worker_id not in self._down
+        return w.alive and w.worker_id not in self._down and w.worker_id not in self._draining
 
     # ------------------------------------------------------------------ requests
     def __contains__(self, request_id: object) -> bool:

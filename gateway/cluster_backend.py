@@ -33,6 +33,7 @@ from gateway.backend import ModelInfo, Overloaded, Rejected, ServingBackend, Una
 from gateway.cluster_launch import (
     ClusterConfig,
     ClusterHandles,
+    WorkerActor,
     connect_cluster,
     launch_cluster,
     stop_cluster,
@@ -106,6 +107,7 @@ class RayClusterBackend(ServingBackend):
         self.consumer_id = f"gw-{uuid.uuid4().hex[:12]}"
         self._streams: dict[str, _Stream] = {}
         self._pollers: list[asyncio.Task] = []
+        self._worker_pollers: dict[str, asyncio.Task] = {}  # worker id -> its drain loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._down: set[str] = set()
         self._background: set[asyncio.Task] = set()
@@ -317,27 +319,55 @@ class RayClusterBackend(ServingBackend):
 
     async def shutdown(self) -> None:
         self._closed = True
-        for t in self._pollers:
+        for t in [*self._pollers, *self._worker_pollers.values()]:
             t.cancel()
         self._pollers = []
+        self._worker_pollers = {}
         if self.handles.launched:
             await asyncio.get_running_loop().run_in_executor(None, stop_cluster, self.handles)
 
     # ------------------------------------------------------------------ output collection
     def _ensure_pollers(self) -> None:
         loop = asyncio.get_running_loop()
-        if self._loop is loop and self._pollers:
+        if self._loop is loop and (self._pollers or self._worker_pollers):
             return
         # A new event loop (tests, a restarted replica): the old tasks died with the old loop.
         self._loop = loop
         # A fresh context: created inside a request, the tasks would inherit its Ray Serve request context, and
         # Serve cancels the Ray calls of a request whose client disconnects (the drains of every stream).
-        self._pollers = [
-            loop.create_task(self._poll(n, w.handle), context=contextvars.Context())
-            for n, w in self.handles.workers.items()
-        ]
+        self._worker_pollers = {}
+        for n, w in self.handles.workers.items():
+            self._start_poller(n, w.handle)
+        self._pollers = []
         if self.handles.controller is not None:
             self._pollers.append(loop.create_task(self._watch_controller(), context=contextvars.Context()))
+
+    def _start_poller(self, name: str, handle: ActorHandle[EngineWorker]) -> None:
+        loop = asyncio.get_running_loop()
+        self._worker_pollers[name] = loop.create_task(self._poll(name, handle), context=contextvars.Context())
+
+    async def _sync_members(self) -> None:
+        """Follow the autoscaler: read from the workers the controller added, stop reading from those it removed
+        (drained: they hold nothing of ours)."""
+        members = await asyncio.wait_for(self.handles.controller.members.remote(), CALL_TIMEOUT_S)
+        for name, role in members.items():
+            if name in self.handles.workers:
+                continue
+            try:
+                handle = await asyncio.to_thread(ray.get_actor, name, namespace=self.config.namespace)
+            except ValueError:
+                continue  # gone again meanwhile
+            self.handles.workers[name] = WorkerActor(role, handle)
+            self._start_poller(name, handle)
+            logger.info("worker %s (%s) joined the cluster", name, role)
+        for name in [n for n in self.handles.workers if n not in members]:
+            task = self._worker_pollers.pop(name, None)
+            if task is not None:
+                task.cancel()
+            self.handles.workers.pop(name)
+            self._acks.pop(name, None)
+            self._down.discard(name)
+            logger.info("worker %s left the cluster", name)
 
     async def _watch_controller(self) -> None:
         """Notice a restarted controller (Ray brings it back from its config; it rebuilds its ledger from the
@@ -371,6 +401,13 @@ class RayClusterBackend(ServingBackend):
                     except Exception as e:
                         logger.error("could not send requests again to the restarted controller: %s", e)
                         self._incarnation = None  # try again at the next look
+            if self.config.scaling is not None:
+                try:
+                    await self._sync_members()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    logger.debug("member list: %s: %s", type(e).__name__, e)
             await asyncio.sleep(CONTROLLER_WATCH_S)
 
     async def _declare_down(self, name: str, why: str, hung: ActorHandle[EngineWorker] | None = None) -> None:

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import ray
 from ray.actor import ActorHandle
 
+from bucket_manager.autoscale import ScalingConfig
 from bucket_manager.controller import Controller, ControllerConfig
 from bucket_manager.priority import PriorityPolicy
 from decode_worker.worker import DecodeWorker
@@ -96,6 +97,9 @@ class ClusterConfig:
     # Leave out Ray's own start-up notices in this process and the workers' progress bars (model loading,
     # warm-up), which Ray relays late and out of order; the launcher logs one line per warmed worker instead.
     quiet: bool = True
+    # Disaggregated mode: the controller adds and removes workers within these bounds (None: the counts above
+    # stay as they are).
+    scaling: ScalingConfig | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -133,6 +137,17 @@ class ClusterConfig:
                     )
                 if isinstance(amount, bool) or not isinstance(amount, int | float) or not amount > 0:
                     raise ValueError(f"ClusterConfig.{name}: {key!r} must be a number > 0, got {amount!r}")
+        if self.scaling is not None:
+            if self.mode != "disaggregated":
+                raise ValueError("ClusterConfig.scaling needs mode disaggregated (its controller scales)")
+            for role in ("prefill", "decode"):
+                lo, hi = self.scaling.bounds(role)
+                count = getattr(self, f"{role}_workers")
+                if not lo <= count <= hi:
+                    raise ValueError(
+                        f"ClusterConfig.{role}_workers ({count}) must lie within ScalingConfig.min_{role} ({lo}) "
+                        f"and ScalingConfig.max_{role} ({hi})"
+                    )
         if not self.worker_timeout_s > self.drain_timeout_s:
             # An idle worker's drain answers only after drain_timeout_s: anything shorter would call it hung.
             raise ValueError(
@@ -356,6 +371,81 @@ def with_kv_token(config: ClusterConfig) -> ClusterConfig:
     return replace(config, transfer=replace(config.transfer, auth_token=secrets.token_urlsafe(32)))
 
 
+def start_worker(
+    config: ClusterConfig, role: str, index: int, joins: bool = False
+) -> ActorHandle[EngineWorker]:
+    """Create worker ``index`` of ``role`` (returns at once: it loads and warms up in its own process). ``joins``:
+    started into a running cluster, it tells the controller once it is warmed."""
+    name = config.actor_name(role, index)
+    controller_name = config.actor_name("controller") if config.mode == "disaggregated" else None
+    wcfg = WorkerConfig(
+        worker_id=name,
+        role=role,
+        engine=config.engine,
+        kv_transport=config.kv_transport,
+        transfer=config.transfer,
+        stream_kv_layers=config.stream_kv_layers,
+        kv_faults=config.kv_faults if role == "prefill" else None,
+        monitor_name=config.actor_name("monitor"),
+        controller_name=controller_name,
+        namespace=config.namespace,
+        num_threads=config.worker_threads(),
+        cpu_affinity=_cores(role, index, config),
+        joins=joins,
+    )
+    return (
+        ray.remote(_CLASSES[role])
+        .options(
+            name=name,
+            namespace=config.namespace,
+            num_cpus=config.worker_num_cpus,
+            max_concurrency=64,
+            enable_task_events=False,  # see TASK_EVENTS_NOTE
+            # A dead worker is re-created from the same config: it loads and warms the model again, then
+            # rejoins (its requests in flight died with it and ended with an error).
+            max_restarts=config.worker_max_restarts,
+            runtime_env=worker_runtime_env(config),
+            **_placement_options(config, role),
+            # A worker the autoscaler adds is detached: created by the controller, it would otherwise die with the
+            # controller's handle to it, or with the controller itself, which Ray restarts. stop_cluster and
+            # stop_running stop it by name.
+            **({"lifetime": "detached"} if config.detached or joins else {}),
+        )
+        .remote(wcfg)
+    )
+
+
+@dataclass(frozen=True)
+class WorkerSpawner:
+    """What the controller starts and stops workers with when it autoscales (see ``Controller``): the cluster's
+    config, so that a worker it adds is made exactly as the launcher makes one."""
+
+    config: ClusterConfig
+
+    def candidates(self) -> list[tuple[str, str]]:
+        assert self.config.scaling is not None
+        return [
+            (role, self.config.actor_name(role, i))
+            for role in ("prefill", "decode")
+            for i in range(self.config.scaling.bounds(role)[1] + 1)
+        ]
+
+    def start(self, role: str) -> str:
+        """Start the lowest-numbered worker of ``role`` whose name is free; its name."""
+        index = 0
+        while _named(self.config.actor_name(role, index), self.config.namespace):
+            index += 1
+        start_worker(self.config, role, index, joins=True)
+        return self.config.actor_name(role, index)
+
+    def stop(self, worker_id: str) -> None:
+        with contextlib.suppress(ValueError):  # already gone
+            handle = ray.get_actor(worker_id, namespace=self.config.namespace)
+            with contextlib.suppress(Exception):
+                ray.get(handle.shutdown.remote(), timeout=10)
+            ray.kill(handle)
+
+
 def launch_cluster(config: ClusterConfig) -> ClusterHandles:
     """Start monitor, workers and controller; return when every worker has loaded and warmed its model. The
     returned handles' config holds the KV token every worker was given."""
@@ -385,41 +475,10 @@ def launch_cluster(config: ClusterConfig) -> ClusterHandles:
     )
     workers: dict[str, WorkerActor] = {}
     counts: dict[str, int] = {}
-    controller_name = config.actor_name("controller") if config.mode == "disaggregated" else None
     for role, name in config.worker_ids():
         index = counts.get(role, 0)
         counts[role] = index + 1
-        wcfg = WorkerConfig(
-            worker_id=name,
-            role=role,
-            engine=config.engine,
-            kv_transport=config.kv_transport,
-            transfer=config.transfer,
-            stream_kv_layers=config.stream_kv_layers,
-            kv_faults=config.kv_faults if role == "prefill" else None,
-            monitor_name=config.actor_name("monitor"),
-            controller_name=controller_name,
-            namespace=ns,
-            num_threads=config.worker_threads(),
-            cpu_affinity=_cores(role, index, config),
-        )
-        handle = (
-            ray.remote(_CLASSES[role])
-            .options(
-                name=name,
-                namespace=ns,
-                num_cpus=config.worker_num_cpus,
-                max_concurrency=64,
-                enable_task_events=False,  # see TASK_EVENTS_NOTE
-                # A dead worker is re-created from the same config: it loads and warms the model again, then
-                # rejoins (its requests in flight died with it and ended with an error).
-                max_restarts=config.worker_max_restarts,
-                runtime_env=worker_runtime_env(config),
-                **_placement_options(config, role),
-                **life,
-            )
-            .remote(wcfg)
-        )
+        handle = start_worker(config, role, index)
         workers[name] = WorkerActor(role, handle)
     refs = {w.handle.info.remote(): name for name, w in workers.items()}
     infos: dict[str, WorkerInfo] = {}
@@ -463,6 +522,7 @@ def controller_config(config: ClusterConfig, info: WorkerInfo) -> ControllerConf
         max_batches_per_prefill_worker=config.max_batches_per_prefill_worker,
         scheduling=config.scheduling,
         workers=tuple((role, name) for role, name in config.worker_ids() if role in ("prefill", "decode")),
+        scaling=config.scaling,
     )
 
 
@@ -492,7 +552,10 @@ def _launch_controller(handles: ClusterHandles, life: dict[str, str]) -> ActorHa
             max_task_retries=-1,
             **life,
         )
-        .remote(controller_config(config, handles.engine_info()))
+        .remote(
+            controller_config(config, handles.engine_info()),
+            WorkerSpawner(config) if config.scaling is not None and config.scaling.enabled else None,
+        )
     )
     # The controller's ledger rows: actor name -> (handle, KV blocks).
     prefill = {n: (h, infos[n].kv_blocks_total) for n, h in handles.by_role("prefill").items()}
@@ -575,6 +638,9 @@ def _named(name: str, namespace: str) -> bool:
 
 
 def stop_cluster(handles: ClusterHandles) -> None:
+    # The controller first: an autoscaling one would otherwise start workers while these stop.
+    if handles.controller is not None:
+        ray.kill(handles.controller)
     for w in handles.workers.values():
         try:
             ray.get(w.handle.shutdown.remote(), timeout=10)
@@ -582,6 +648,10 @@ def stop_cluster(handles: ClusterHandles) -> None:
             logger.debug("worker shutdown: %s", e)
     for w in handles.workers.values():
         ray.kill(w.handle)
-    if handles.controller is not None:
-        ray.kill(handles.controller)
+    config = handles.config
+    if config.scaling is not None:  # the workers it added, under names the launcher did not hand out
+        spawner = WorkerSpawner(config)
+        for _, name in spawner.candidates():
+            if name not in handles.workers:
+                spawner.stop(name)
     ray.kill(handles.monitor)

@@ -62,6 +62,7 @@ METRIC_NAMES: tuple[str, ...] = tuple(PREFIX + name for name, _, _ in HISTOGRAMS
         "request_failure",
         "request_slo_met",
         "kv_transfer_bytes",
+        "scaling_events",
         "slo_attainment_ratio",
         "bucket_count",
         "bucket_queue_depth",
@@ -148,7 +149,15 @@ def _request_families(totals: dict[str, float], model_name: str) -> Iterable[Met
     for key, value in sorted(totals.items()):
         if key.startswith("kvbytes|"):
             kv_bytes.add_metric([model_name, key.split("|", 1)[1]], value)
-    return [prompt, generation, success, failure, met, kv_bytes]
+    scaling = CounterMetricFamily(
+        PREFIX + "scaling_events",
+        "Workers the autoscaler added (up) or began draining (down).",
+        labels=["model_name", "role", "direction"],
+    )
+    for role in ("prefill", "decode"):
+        for direction in ("up", "down"):
+            scaling.add_metric([model_name, role, direction], totals.get(f"scale|{role}|{direction}", 0.0))
+    return [prompt, generation, success, failure, met, kv_bytes, scaling]
 
 
 def _window_families(store: MonitorStore, model_name: str, window_s: float) -> Iterable[Metric]:

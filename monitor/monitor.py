@@ -69,6 +69,11 @@ class Monitor:
         ``kv_transfer_latency``); ``transport``: how it went ("shm", "grpc", "grpc+tls", ...)."""
         self.store.add_transfer(priority_class, nbytes, seconds, transport)
 
+    def record_scaling(self, role: str, direction: str) -> None:
+        """The autoscaler added ("up") or began draining ("down") a worker of ``role``
+        (``scaling_events_total{role, direction}``)."""
+        self.store.add_scaling(role, direction)
+
     def record_batch(self, rec: BatchRecord) -> None:
         """One executed batch: batch-size histogram and padding waste."""
         self.store.add_batch(rec)

@@ -176,6 +176,11 @@ class MonitorStore(ABC):
             ]
         )
 
+    def add_scaling(self, role: str, direction: str) -> None:
+        if role not in ("prefill", "decode") or direction not in ("up", "down"):
+            raise ValueError(f"a scaling event is (prefill|decode, up|down), got {(role, direction)!r}")
+        self._apply([HashOp(accounting.TOTALS_KEY, incr={f"scale|{role}|{direction}": 1})])
+
     def add_batch(self, rec: BatchRecord) -> None:
         self._apply([HashOp(accounting.TOTALS_KEY, incr=accounting.batch_totals(rec))])
 

@@ -98,13 +98,15 @@ class EngineWorker:
         self._rejoin()
 
     def _rejoin(self) -> None:
-        """After Ray restarted this actor (it died; Ray re-created it from the same config): tell the controller it
-        is back, with its capacity, so it is planned for again and the prefill workers learn its new KV address.
-        Nothing to do on a first start (the launcher registers the workers) or without a controller."""
-        if not restarted_actor():
+        """After Ray restarted this actor (it died; Ray re-created it from the same config), or once warmed when the
+        autoscaler started it (``joins``): tell the controller it is up, with its capacity, so it is planned for and
+        the prefill workers learn its KV address. Nothing to do on a launcher's first start (the launcher registers
+        the workers) or without a controller."""
+        restarted = restarted_actor()
+        if not (restarted or self.config.joins):
             return
         controller = self._get_controller()
-        logger.warning("%s restarted; rejoining the cluster", self.config.worker_id)
+        logger.warning("%s %s the cluster", self.config.worker_id, "rejoining" if restarted else "joining")
         if controller is not None:
             controller.worker_up.remote(self.config.worker_id, self.engine.allocator.num_blocks, time.time())
 

@@ -38,6 +38,8 @@ class WorkerConfig:
     stream_kv_layers: bool = True
     # Chaos drills and fault tests only: damage done to this worker's outgoing KV chunks (None: none).
     kv_faults: FaultInjector | None = None
+    # Started by the autoscaler into a running cluster: announces itself to the controller once warmed.
+    joins: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.worker_id, str) or not self.worker_id:

@@ -120,6 +120,28 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "with an error",
     )
     p.add_argument("--worker-num-cpus", type=float, default=1.0, help="Ray CPUs each worker actor asks for")
+    for role in ("prefill", "decode"):
+        for bound in ("min", "max"):
+            p.add_argument(
+                f"--{bound}-{role}-workers",
+                type=int,
+                default=None,
+                help=f"autoscaling: the {'fewest' if bound == 'min' else 'most'} {role} workers the controller "
+                f"keeps (default: --{role}-workers, no scaling)",
+            )
+    p.add_argument(
+        "--scale-ttft-budget-s",
+        type=float,
+        default=1.0,
+        help="autoscaling: a prefill worker is added when the oldest queued request has waited longer than this "
+        "for 2 s",
+    )
+    p.add_argument(
+        "--scale-idle-s",
+        type=float,
+        default=60.0,
+        help="autoscaling: a worker is drained and removed after its role has been idle this long",
+    )
     for role, example in (("prefill", "'{\"prefill\": 1}'"), ("decode", "'{\"GPU\": 1}'")):
         p.add_argument(
             f"--{role}-resources",
@@ -248,7 +270,29 @@ def cluster_config_from_args(args: argparse.Namespace, detached: bool = False, q
         served_model_name=args.served_model_name,
         detached=detached,
         quiet=quiet,
+        scaling=_scaling(args),
     )
+
+
+def _scaling(args: argparse.Namespace):
+    """The autoscaling bounds the flags ask for; None when they leave every count as it starts."""
+    from bucket_manager.autoscale import ScalingConfig
+
+    def given(name: str, default: int) -> int:
+        value = getattr(args, name)
+        return default if value is None else value
+
+    bounds = {
+        f"{bound}_{role}": given(f"{bound}_{role}_workers", getattr(args, f"{role}_workers"))
+        for role in ("prefill", "decode")
+        for bound in ("min", "max")
+    }
+    if all(
+        bounds[f"min_{r}"] == bounds[f"max_{r}"] == getattr(args, f"{r}_workers")
+        for r in ("prefill", "decode")
+    ):
+        return None
+    return ScalingConfig(**bounds, ttft_budget_s=args.scale_ttft_budget_s, idle_s=args.scale_idle_s)
 
 
 def checked_cluster_config(args: argparse.Namespace, detached: bool = False, quiet: bool = True):

@@ -3,14 +3,14 @@ step out; the controller measures the signals, keeps the clocks and carries the 
 
 A role grows when its signal has stayed over budget for ``breach_s`` (one slow batch is not a trend):
 
-* prefill: the oldest queued request's wait against ``ttft_budget_s`` (it is time to first token spent before
+* prefill: the oldest queued request's wait against ``scale_ttft_budget_s`` (it is time to first token spent before
   any prefill starts, the part more prefill workers remove), while every prefill worker is busy: a queue that
   waits for decode memory, with prefill workers idle, is not one more prefill workers would shorten;
 * decode: the share of the decode workers' KV blocks promised against ``kv_high`` (when it is full, requests
   wait for decode memory, and the decode step slows with the batch).
 
 It shrinks when it has had nothing to do (prefill: an empty queue and no batch on any worker; decode: KV use
-under ``kv_low``) for ``idle_s``. A role that just changed waits ``cooldown_s`` before the next change, and one
+under ``kv_low``) for ``scale_idle_s``. A role that just changed waits ``cooldown_s`` before the next change, and one
 with a worker still starting does not grow again: a new worker takes seconds to load and warm up, and adding
 another meanwhile overshoots.
 """
@@ -24,25 +24,28 @@ ROLES = ("prefill", "decode")
 
 @dataclass(frozen=True)
 class ScalingConfig:
-    min_prefill: int = 1
-    max_prefill: int = 1
-    min_decode: int = 1
-    max_decode: int = 1
-    ttft_budget_s: float = 1.0
+    min_prefill_workers: int = 1
+    max_prefill_workers: int = 1
+    min_decode_workers: int = 1
+    max_decode_workers: int = 1
+    scale_ttft_budget_s: float = 1.0
     kv_high: float = 0.9
     kv_low: float = 0.3
     breach_s: float = 2.0
-    idle_s: float = 60.0
+    scale_idle_s: float = 60.0
     cooldown_s: float = 10.0
 
     def __post_init__(self) -> None:
         for role in ROLES:
             lo, hi = self.bounds(role)
             if isinstance(lo, bool) or not isinstance(lo, int) or lo < 1:
-                raise ValueError(f"ScalingConfig.min_{role} must be an int >= 1, got {lo!r}")
+                raise ValueError(f"ScalingConfig.min_{role}_workers must be an int >= 1, got {lo!r}")
             if isinstance(hi, bool) or not isinstance(hi, int) or hi < lo:
-                raise ValueError(f"ScalingConfig.max_{role} must be an int >= min_{role} ({lo}), got {hi!r}")
-        for name in ("ttft_budget_s", "breach_s", "idle_s", "cooldown_s"):
+                raise ValueError(
+                    f"ScalingConfig.max_{role}_workers must be an int >= ScalingConfig.min_{role}_workers ({lo}), "
+                    f"got {hi!r}"
+                )
+        for name in ("scale_ttft_budget_s", "breach_s", "scale_idle_s", "cooldown_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"ScalingConfig.{name} must be > 0, got {value!r}")
@@ -54,9 +57,9 @@ class ScalingConfig:
 
     def bounds(self, role: str) -> tuple[int, int]:
         if role == "prefill":
-            return self.min_prefill, self.max_prefill
+            return self.min_prefill_workers, self.max_prefill_workers
         if role == "decode":
-            return self.min_decode, self.max_decode
+            return self.min_decode_workers, self.max_decode_workers
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
 
     @property
@@ -81,7 +84,7 @@ def pressure(
 ) -> bool:
     """Whether the role's signal is over budget now (``busy`` of its ``serving`` workers hold work)."""
     if role == "prefill":
-        return oldest_wait_s is not None and oldest_wait_s > config.ttft_budget_s and busy >= serving
+        return oldest_wait_s is not None and oldest_wait_s > config.scale_ttft_budget_s and busy >= serving
     return kv_usage > config.kv_high
 
 
@@ -105,7 +108,7 @@ def decide(config: ScalingConfig, signal: RoleSignal) -> int:
         and total < hi
     ):
         return 1
-    if signal.idle_for_s is not None and signal.idle_for_s >= config.idle_s and signal.serving > lo:
+    if signal.idle_for_s is not None and signal.idle_for_s >= config.scale_idle_s and signal.serving > lo:
         return -1
     return 0
 

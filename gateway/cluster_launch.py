@@ -145,8 +145,8 @@ class ClusterConfig:
                 count = getattr(self, f"{role}_workers")
                 if not lo <= count <= hi:
                     raise ValueError(
-                        f"ClusterConfig.{role}_workers ({count}) must lie within ScalingConfig.min_{role} ({lo}) "
-                        f"and ScalingConfig.max_{role} ({hi})"
+                        f"ClusterConfig.{role}_workers ({count}) must lie within ScalingConfig.min_{role}_workers "
+                        f"({lo}) and ScalingConfig.max_{role}_workers ({hi})"
                     )
         if not self.worker_timeout_s > self.drain_timeout_s:
             # An idle worker's drain answers only after drain_timeout_s: anything shorter would call it hung.

@@ -8,7 +8,12 @@ import pytest
 from bucket_manager.autoscale import RoleSignal, ScalingConfig, ScalingState, decide, idle, pressure
 
 CFG = ScalingConfig(
-    min_prefill=1, max_prefill=3, ttft_budget_s=1.0, breach_s=2.0, idle_s=30.0, cooldown_s=10.0
+    min_prefill_workers=1,
+    max_prefill_workers=3,
+    scale_ttft_budget_s=1.0,
+    breach_s=2.0,
+    scale_idle_s=30.0,
+    cooldown_s=10.0,
 )
 
 
@@ -28,7 +33,7 @@ def test_grows_after_a_breach_that_lasts_and_never_past_the_bound() -> None:
     assert decide(CFG, signal(over_budget_for_s=1.9)) == 0  # one slow batch is not a trend
     assert decide(CFG, signal(over_budget_for_s=2.0)) == 1
     assert decide(CFG, signal(over_budget_for_s=5.0, starting=1)) == 0  # one already on its way
-    assert decide(CFG, signal(over_budget_for_s=5.0, serving=3)) == 0  # at max_prefill
+    assert decide(CFG, signal(over_budget_for_s=5.0, serving=3)) == 0  # at max_prefill_workers
     assert decide(CFG, signal(over_budget_for_s=5.0, since_change_s=3.0)) == 0  # cooling down
     assert decide(CFG, signal(over_budget_for_s=5.0, since_change_s=10.0)) == 1
 
@@ -36,7 +41,7 @@ def test_grows_after_a_breach_that_lasts_and_never_past_the_bound() -> None:
 def test_shrinks_after_idling_and_never_below_the_bound() -> None:
     assert decide(CFG, signal(serving=2, idle_for_s=29.0)) == 0
     assert decide(CFG, signal(serving=2, idle_for_s=30.0)) == -1
-    assert decide(CFG, signal(serving=1, idle_for_s=300.0)) == 0  # at min_prefill
+    assert decide(CFG, signal(serving=1, idle_for_s=300.0)) == 0  # at min_prefill_workers
     assert decide(CFG, signal(role="decode", serving=1, idle_for_s=300.0)) == 0  # decode fixed at 1
 
 
@@ -81,9 +86,9 @@ def test_state_times_the_decision_and_the_join() -> None:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"min_prefill": 0}, "min_prefill must be an int >= 1"),
-        ({"max_decode": 0}, "max_decode must be an int >= min_decode"),
-        ({"ttft_budget_s": 0}, "ttft_budget_s must be > 0"),
+        ({"min_prefill_workers": 0}, "min_prefill_workers must be an int >= 1"),
+        ({"max_decode_workers": 0}, "max_decode_workers must be an int >= ScalingConfig.min_decode_workers"),
+        ({"scale_ttft_budget_s": 0}, "scale_ttft_budget_s must be > 0"),
         ({"kv_low": 0.95}, "kv_low and kv_high"),
     ],
 )

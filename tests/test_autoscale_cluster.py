@@ -22,7 +22,12 @@ from gateway.cluster_launch import ClusterConfig
 pytestmark = pytest.mark.slow
 
 SCALING = ScalingConfig(
-    min_prefill=1, max_prefill=2, ttft_budget_s=0.3, breach_s=1.0, idle_s=4.0, cooldown_s=2.0
+    min_prefill_workers=1,
+    max_prefill_workers=2,
+    scale_ttft_budget_s=0.3,
+    breach_s=1.0,
+    scale_idle_s=4.0,
+    cooldown_s=2.0,
 )
 IN_FLIGHT = 96  # requests kept open during the burst: a queue one prefill worker takes seconds to clear
 
@@ -86,7 +91,7 @@ def test_a_burst_scales_prefill_up_and_idle_scales_it_back(ray_session, hf_refer
 
         async def idle_down():
             # The gateway's own loop keeps running meanwhile: it follows the controller's member list.
-            deadline = time.monotonic() + SCALING.idle_s + SCALING.cooldown_s + 30
+            deadline = time.monotonic() + SCALING.scale_idle_s + SCALING.cooldown_s + 30
             while True:
                 state = await controller.state.remote()
                 down = [e for e in _events(state) if e["direction"] == "down"]

@@ -225,3 +225,30 @@ def test_cpu_in_role_resources_points_at_worker_num_cpus():
         ClusterConfig(prefill_resources={"CPU": 2})
     with pytest.raises(FlagError, match="--decode-resources: give a worker's CPUs with --worker-num-cpus"):
         checked_cluster_config(settings(["--decode-resources", '{"CPU": 1}', "--model", "tiny"]))
+
+
+def test_autoscaling_bounds_from_flags_and_errors_in_flag_terms():
+    cfg = cluster_config_from_args(settings(["--max-prefill-workers", "3", "--scale-idle-s", "5"]))
+    assert cfg.scaling is not None and cfg.scaling.bounds("prefill") == (1, 3)
+    assert cfg.scaling.bounds("decode") == (1, 1) and cfg.scaling.scale_idle_s == 5
+    assert cluster_config_from_args(settings([])).scaling is None  # no bounds given: no autoscaling
+    with pytest.raises(
+        FlagError, match=r"--prefill-workers \(1\) must lie within --min-prefill-workers \(2\)"
+    ):
+        checked_cluster_config(
+            settings(["--min-prefill-workers", "2", "--max-prefill-workers", "3", "--model", "tiny"])
+        )
+    with pytest.raises(
+        FlagError, match=r"--max-prefill-workers must be an int >= --min-prefill-workers \(3\)"
+    ):
+        checked_cluster_config(
+            settings(["--prefill-workers", "3", "--max-prefill-workers", "2", "--model", "tiny"])
+        )
+    with pytest.raises(FlagError, match="--max-decode-workers must be an int >= --min-decode-workers"):
+        checked_cluster_config(
+            settings(["--min-decode-workers", "2", "--max-decode-workers", "1", "--model", "tiny"])
+        )
+    with pytest.raises(FlagError, match="scaling needs mode disaggregated"):
+        checked_cluster_config(
+            settings(["--mode", "colocated", "--max-prefill-workers", "2", "--model", "tiny"])
+        )

@@ -70,6 +70,7 @@ def test_kuberay_manifest(name: str, tmp_path: Path) -> None:
     assert "api_key" not in app["args"], "the API key belongs in a Secret, not in the manifest"
     config = _cluster_config(app["args"], tmp_path, name)
     assert config.engine.device == device and config.mode == "disaggregated"
+    assert config.scaling is not None and config.scaling.enabled
 
     head = cluster["headGroupSpec"]
     host = head["rayStartParams"].get("dashboard-host")
@@ -85,6 +86,8 @@ def test_kuberay_manifest(name: str, tmp_path: Path) -> None:
     for role, group in groups.items():
         _check_pod(group["template"], role)
         assert 1 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"], role
+        # Room for every worker the controller may add, one per pod.
+        assert group["maxReplicas"] >= config.scaling.bounds(role)[1], role
         for c in _containers(group["template"]):
             assert int(c["resources"]["limits"][k8s_resource]) >= 1, f"{role}: no {k8s_resource}"
         # The custom resource the group's pods declare is the one the role's workers ask for, with a card.

@@ -283,16 +283,18 @@ def _scaling(args: argparse.Namespace):
         return default if value is None else value
 
     bounds = {
-        f"{bound}_{role}": given(f"{bound}_{role}_workers", getattr(args, f"{role}_workers"))
+        f"{bound}_{role}_workers": given(f"{bound}_{role}_workers", getattr(args, f"{role}_workers"))
         for role in ("prefill", "decode")
         for bound in ("min", "max")
     }
     if all(
-        bounds[f"min_{r}"] == bounds[f"max_{r}"] == getattr(args, f"{r}_workers")
+        bounds[f"min_{r}_workers"] == bounds[f"max_{r}_workers"] == getattr(args, f"{r}_workers")
         for r in ("prefill", "decode")
     ):
         return None
-    return ScalingConfig(**bounds, ttft_budget_s=args.scale_ttft_budget_s, idle_s=args.scale_idle_s)
+    return ScalingConfig(
+        **bounds, scale_ttft_budget_s=args.scale_ttft_budget_s, scale_idle_s=args.scale_idle_s
+    )
 
 
 def checked_cluster_config(args: argparse.Namespace, detached: bool = False, quiet: bool = True):

@@ -7,7 +7,8 @@ A role grows when its signal has stayed over budget for ``breach_s`` (one slow b
   any prefill starts, the part more prefill workers remove), while every prefill worker is busy: a queue that
   waits for decode memory, with prefill workers idle, is not one more prefill workers would shorten;
 * decode: the share of the decode workers' KV blocks promised against ``kv_high`` (when it is full, requests
-  wait for decode memory, and the decode step slows with the batch).
+  wait for decode memory), or the slowest decode worker's step time against ``scale_tpot_budget_s`` (each
+  step gives every running request one token: a step over the budget is a TPOT over it).
 
 It shrinks when it has had nothing to do (prefill: an empty queue and no batch on any worker; decode: KV use
 under ``kv_low``) for ``scale_idle_s``. A role that just changed waits ``cooldown_s`` before the next change, and one
@@ -29,6 +30,7 @@ class ScalingConfig:
     min_decode_workers: int = 1
     max_decode_workers: int = 1
     scale_ttft_budget_s: float = 1.0
+    scale_tpot_budget_s: float = 0.1
     kv_high: float = 0.9
     kv_low: float = 0.3
     breach_s: float = 2.0
@@ -45,7 +47,7 @@ class ScalingConfig:
                     f"ScalingConfig.max_{role}_workers must be an int >= ScalingConfig.min_{role}_workers ({lo}), "
                     f"got {hi!r}"
                 )
-        for name in ("scale_ttft_budget_s", "breach_s", "scale_idle_s", "cooldown_s"):
+        for name in ("scale_ttft_budget_s", "scale_tpot_budget_s", "breach_s", "scale_idle_s", "cooldown_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"ScalingConfig.{name} must be > 0, got {value!r}")
@@ -80,12 +82,19 @@ class RoleSignal:
 
 
 def pressure(
-    role: str, config: ScalingConfig, oldest_wait_s: float | None, kv_usage: float, busy: int, serving: int
+    role: str,
+    config: ScalingConfig,
+    oldest_wait_s: float | None,
+    kv_usage: float,
+    busy: int,
+    serving: int,
+    step_s: float | None = None,
 ) -> bool:
-    """Whether the role's signal is over budget now (``busy`` of its ``serving`` workers hold work)."""
+    """Whether the role's signal is over budget now (``busy`` of its ``serving`` workers hold work; ``step_s``:
+    the slowest of its workers' latest step, when known)."""
     if role == "prefill":
         return oldest_wait_s is not None and oldest_wait_s > config.scale_ttft_budget_s and busy >= serving
-    return kv_usage > config.kv_high
+    return kv_usage > config.kv_high or (step_s is not None and step_s > config.scale_tpot_budget_s)
 
 
 def idle(role: str, config: ScalingConfig, queued: int, busy_workers: int, kv_usage: float) -> bool:

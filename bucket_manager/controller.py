@@ -136,6 +136,7 @@ class Controller:
         self._stats_error: str | None = None
         self._stats_stale = False
         self._stats_seen = False  # whether the monitor has answered once
+        self._decode_step_s: float | None = None  # the slowest decode worker's latest step, from the monitor
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._monitor = None
@@ -502,6 +503,12 @@ class Controller:
             # A worker that reported once and then went silent is down; one not yet seen is starting.
             (wid for wid, row in summary.get("workers", {}).items() if not row.get("up", True)),
         )
+        steps = [
+            row["batch_latency_ms"] / 1000.0
+            for row in summary.get("workers", {}).values()
+            if row.get("role") == "decode" and row.get("up", True) and row.get("batch_latency_ms") is not None
+        ]
+        self._decode_step_s = max(steps) if steps else None
         self._stats_at = time.monotonic()
         self._stats_seen = True
         self._stats_error = None
@@ -526,7 +533,15 @@ class Controller:
             s.observe(
                 role,
                 now,
-                pressure(role, cfg, wait, kv_usage, busy, serving),
+                pressure(
+                    role,
+                    cfg,
+                    wait,
+                    kv_usage,
+                    busy,
+                    serving,
+                    self._decode_step_s if role == "decode" else None,
+                ),
                 idle(role, cfg, len(d.queue), busy, kv_usage),
             )
             step = s.step(role, now, serving)
@@ -547,7 +562,7 @@ class Controller:
         why = (
             f"oldest queued request waited {wait:.2f} s"
             if role == "prefill"
-            else f"KV {kv_usage:.0%} promised"
+            else f"KV {kv_usage:.0%} promised, slowest step {(self._decode_step_s or 0.0) * 1e3:.0f} ms"
         )
         logger.warning("scaling %s up: starting %s (%s)", role, worker_id, why)
         self._record_scaling(role, "up")

@@ -177,6 +177,7 @@ class Monitor:
             "buckets": _bucket_dict(self.store.buckets()),
             "workers": [_worker_row(s, now) for s in statuses],
             "runtime_compilations": sum(s.stats.runtime_compilations for s in statuses),
+            "scaling_events": _scaling_events(self.store.totals()),
         }
 
     def check(self) -> list[str]:
@@ -222,6 +223,14 @@ class Monitor:
                     f"{cls}: {totals[f'slo|{cls}']:g} SLO hits for {finished:g} finished requests"
                 )
         return problems
+
+
+def _scaling_events(totals: dict[str, float]) -> dict[str, dict[str, int]]:
+    """Workers the autoscaler added and began draining, per role, since the store began."""
+    return {
+        role: {d: int(totals.get(f"scale|{role}|{d}", 0)) for d in ("up", "down")}
+        for role in ("prefill", "decode")
+    }
 
 
 def _worker_row(status: WorkerStatus, now: float) -> dict[str, Any]:

@@ -51,6 +51,9 @@ def test_signals() -> None:
     # Queued for long, but a prefill worker is free: the queue waits for decode memory, not for prefill.
     assert not pressure("prefill", CFG, 5.0, 0.95, 1, 2)
     assert pressure("decode", CFG, None, 0.95, 0, 1) and not pressure("decode", CFG, 9.0, 0.5, 1, 1)
+    # A decode step over the TPOT budget (0.1 s) is pressure too, whatever the KV.
+    assert pressure("decode", CFG, None, 0.2, 1, 1, step_s=0.15)
+    assert not pressure("decode", CFG, None, 0.2, 1, 1, step_s=0.05)
     assert idle("prefill", CFG, 0, 0, 0.0) and not idle("prefill", CFG, 1, 0, 0.0)
     assert not idle("prefill", CFG, 0, 1, 0.0)  # a batch still on a worker
     assert idle("decode", CFG, 5, 1, 0.1) and not idle("decode", CFG, 0, 0, 0.5)

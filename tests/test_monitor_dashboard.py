@@ -32,6 +32,7 @@ IDS = (
     "workers-table",
     "health-headline",
     "compilations",
+    "scaling",
     "window-select",
     "status",
 )
@@ -76,6 +77,9 @@ def _busy_monitor() -> Monitor:
         mon.record_request(request(f"o{step}", arrival=clock.t, priority_class="offline", e2e_s=0.5))
         mon.record_batch(BatchRecord("prefill-0", "prefill", 5, 400, 512, clock.t))
         clock.advance(10)
+    mon.record_scaling("prefill", "up")
+    mon.record_scaling("prefill", "up")
+    mon.record_scaling("prefill", "down")
     return mon
 
 
@@ -114,6 +118,8 @@ def test_charts_draw_dashboard_data() -> None:
     assert table.count("<tr data-worker=") == 2
     assert 'data-worker="decode-0" class="is-down"' in table, "decode-0 stopped reporting a minute ago"
     assert ">1</span>" in view["compilations"]
+    assert data["scaling_events"]["prefill"] == {"up": 2, "down": 1}
+    assert ">3</span>" in view["scaling"] and "prefill +2 / \u22121, decode +0 / \u22120" in view["scaling"]
     assert "1 / 2" in view["health-headline"]
 
 

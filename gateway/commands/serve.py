@@ -137,6 +137,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "for 2 s",
     )
     p.add_argument(
+        "--scale-tpot-budget-s",
+        type=float,
+        default=0.1,
+        help="autoscaling: a decode worker is added when the slowest decode step has taken longer than this for 2 s "
+        "(or more than 90%% of the decode KV is promised)",
+    )
+    p.add_argument(
         "--scale-idle-s",
         type=float,
         default=60.0,
@@ -293,7 +300,10 @@ def _scaling(args: argparse.Namespace):
     ):
         return None
     return ScalingConfig(
-        **bounds, scale_ttft_budget_s=args.scale_ttft_budget_s, scale_idle_s=args.scale_idle_s
+        **bounds,
+        scale_ttft_budget_s=args.scale_ttft_budget_s,
+        scale_tpot_budget_s=args.scale_tpot_budget_s,
+        scale_idle_s=args.scale_idle_s,
     )
 
 

@@ -159,6 +159,9 @@ function buildView(d) {
   const up = d.workers.filter((w) => w.up).length;
   view["health-headline"] = `<div class="stat"><span class="stat-label">workers up</span><span class="stat-value ${up < d.workers.length ? "down" : ""}">${up} / ${d.workers.length}</span></div>`;
   view["compilations"] = `<div class="stat"><span class="stat-label">runtime compilations</span><span class="stat-value ${d.runtime_compilations ? "down" : ""}">${d.runtime_compilations}</span><span class="stat-sub">shapes compiled while serving</span></div>`;
+  const sc = d.scaling_events || {};
+  const role = (r) => `${r} +${(sc[r] || {}).up || 0} / \u2212${(sc[r] || {}).down || 0}`;
+  view["scaling"] = `<div class="stat"><span class="stat-label">autoscaling</span><span class="stat-value">${["prefill", "decode"].reduce((n, r) => n + ((sc[r] || {}).up || 0) + ((sc[r] || {}).down || 0), 0)}</span><span class="stat-sub">workers added / drained: ${role("prefill")}, ${role("decode")}</span></div>`;
   view["slo-chart"] = lineChartSvg(d.t, classSeries(d.slo_attainment), { yMax: 1, yFormat: fmtPercent, width: 1120 });
   view["goodput-chart"] = lineChartSvg(d.t, classSeries(d.goodput_rps));
   view["rate-chart"] = lineChartSvg(d.t, [

@@ -198,6 +198,14 @@ class ScalingState:
             self.changed_at[event.role] = now
         return event
 
+    def overdue(self, now: float, timeout_s: float) -> list[str]:
+        """Workers asked for more than ``timeout_s`` ago that never joined (out of memory, no node for them):
+        forgotten here, so the role may try again; the caller stops them."""
+        late = [w for w, e in self.starting.items() if now - e.decided_at > timeout_s]
+        for w in late:
+            del self.starting[w]
+        return late
+
     def drain(self, role: str, worker_id: str, now: float) -> ScalingEvent:
         event = ScalingEvent(role, "down", worker_id, now, self.idle_since[role])
         self.draining[worker_id] = event

@@ -65,6 +65,8 @@ class ControllerConfig:
     scaling: ScalingConfig | None = None
     # How often the autoscaling policy is evaluated.
     scaling_interval_s: float = 0.25
+    # A worker the autoscaler started that has not joined after this long is stopped and forgotten.
+    scaling_start_timeout_s: float = 900.0
     # A drained worker is killed this long after it leaves the cluster's member list, so that every gateway has
     # stopped reading from it first (they re-read the list twice a second).
     retire_grace_s: float = 2.0
@@ -83,6 +85,7 @@ class ControllerConfig:
             "stats_first_wait_s",
             "recover_timeout_s",
             "scaling_interval_s",
+            "scaling_start_timeout_s",
             "retire_grace_s",
         ):
             value = getattr(self, name)
@@ -551,6 +554,13 @@ class Controller:
                 self._scale_down(role, now)
         for worker_id in [w for w in s.draining if d.drained(w)]:
             self._retire(worker_id, now)
+        for worker_id in s.overdue(now, self.config.scaling_start_timeout_s):
+            logger.error(
+                "%s did not join within %.0f s of its start; stopping it",
+                worker_id,
+                self.config.scaling_start_timeout_s,
+            )
+            self._stop_worker(worker_id)
 
     def _scale_up(self, role: str, now: float, wait: float | None, kv_usage: float) -> None:
         try:

@@ -86,6 +86,15 @@ def test_state_times_the_decision_and_the_join() -> None:
     assert s.summary()["events"][1]["signal_to_decision_s"] == 30.0
 
 
+def test_a_start_that_never_joins_is_given_up() -> None:
+    s = ScalingState(CFG)
+    s.started("prefill", "p:prefill-1", 100.0)
+    s.observe("prefill", 150.0, over_budget=True, is_idle=False)
+    assert s.step("prefill", 200.0, serving=1) == 0  # over budget, but one is on its way
+    assert s.overdue(200.0, 900.0) == [] and s.overdue(1001.0, 900.0) == ["p:prefill-1"]
+    assert s.starting == {} and s.step("prefill", 1001.0, serving=1) == 1  # the role may try again
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

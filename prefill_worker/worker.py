@@ -205,7 +205,8 @@ class PrefillWorker(EngineWorker):
             err = streamer.finish([r.request_id])[r.request_id]
             self.engine.detach(r.request_id).block_ids = []  # freed by the transport
             full = isinstance(err, KVTransferError) and err.receiver_full
-            self._give_back(msg, f"KV transfer refused: {err}", decode_id if full else None)
+            # Named: the gateway shows it, and it may be the first news of that worker's death to reach the client.
+            self._give_back(msg, f"KV transfer to {decode_id} refused: {err}", decode_id if full else None)
         return kept_items, kept_reqs
 
     def _forget_on(self, decode_id: str, rid: str) -> None:
@@ -244,7 +245,7 @@ class PrefillWorker(EngineWorker):
                         req.block_ids = []
                     else:
                         self._drop(req)
-                    self._give_back(msg, f"KV hand-off failed: {e}")
+                    self._give_back(msg, f"KV hand-off to {decode_id} failed: {e}")
         finally:
             if streamer is not None:
                 streamer.finish()  # ends whatever is left (e.g. requests aborted meanwhile)
@@ -315,7 +316,9 @@ class PrefillWorker(EngineWorker):
         except KVTransferError as e:
             handle.forget.remote(rid)
             if not self._aborted(rid):
-                self._give_back(msg, str(e), decode_id if e.receiver_full else None)
+                self._give_back(
+                    msg, f"KV transfer to {decode_id} failed: {e}", decode_id if e.receiver_full else None
+                )
         req.block_ids = []
 
     def _aborted(self, rid: str) -> bool:

@@ -75,32 +75,43 @@ def _label(pid: int) -> str | None:
     return f"{name} {script}" if script and name.startswith("python") else name
 
 
-def _rss_kib(pid: int) -> int | None:
+# RSS and its parts (/proc/PID/status): anonymous memory (heaps, allocator caches) is where a leak would show;
+# shared memory is mostly the KV cache, whose pages count once first touched, so it grows up to the cache's size.
+_RSS_FIELDS = {"VmRSS:": 0, "RssAnon:": 1, "RssShmem:": 2}
+
+
+def _rss_kib(pid: int) -> tuple[int, int, int] | None:
+    """(RSS, anonymous, shared memory) in KiB; None when the process is gone."""
+    parts = [0, 0, 0]
     try:
         for line in (PROC / str(pid) / "status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
+            key = line.split(maxsplit=1)[0] if line else ""
+            if key in _RSS_FIELDS:
+                parts[_RSS_FIELDS[key]] = int(line.split()[1])
     except OSError:
         return None
-    return None
+    return parts[0], parts[1], parts[2]
 
 
-def sample_rss(server: ServerProcess) -> dict[int, tuple[str, int]]:
-    """pid -> (label, RSS in KiB) of every live process of the server's session."""
+def sample_rss(server: ServerProcess) -> dict[int, tuple[str, int, int, int]]:
+    """pid -> (label, RSS, anonymous, shared memory; KiB) of every live process of the server's session."""
     out = {}
     for pid in server.members():
         label, rss = _label(pid), _rss_kib(pid)
         if label is not None and rss is not None:
-            out[pid] = (label, rss)
+            out[pid] = (label, *rss)
     return out
 
 
-def drift_rows(first: dict[int, tuple[str, int]], last: dict[int, tuple[str, int]]) -> list[dict[str, Any]]:
-    """Per process alive in both samples: RSS at each, and the change in percent."""
+def drift_rows(
+    first: dict[int, tuple[str, int, int, int]], last: dict[int, tuple[str, int, int, int]]
+) -> list[dict[str, Any]]:
+    """Per process alive in both samples: RSS at each, the change in percent, and the change of its anonymous and
+    shared-memory parts."""
     rows = []
     for pid in sorted(set(first) & set(last), key=lambda p: first[p][0]):
-        label, a = first[pid]
-        b = last[pid][1]
+        label, a, anon_a, shm_a = first[pid]
+        _, b, anon_b, shm_b = last[pid]
         rows.append(
             {
                 "pid": pid,
@@ -108,6 +119,8 @@ def drift_rows(first: dict[int, tuple[str, int]], last: dict[int, tuple[str, int
                 "rss_first_mib": round(a / 1024, 1),
                 "rss_last_mib": round(b / 1024, 1),
                 "drift_pct": round(100.0 * (b - a) / a, 2) if a else None,
+                "anon_change_mib": round((anon_b - anon_a) / 1024, 1),
+                "shmem_change_mib": round((shm_b - shm_a) / 1024, 1),
             }
         )
     return rows
@@ -181,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     server = ServerProcess(cmd, {}, out.with_suffix(".serve.log"))
     base = f"http://127.0.0.1:{port}"
-    samples: list[tuple[float, dict[int, tuple[str, int]]]] = []
+    samples: list[tuple[float, dict[int, tuple[str, int, int, int]]]] = []
     try:
         wait_healthy(base, server, args.startup_timeout_s)
         t0 = time.monotonic()
@@ -218,13 +231,21 @@ def run(args: argparse.Namespace) -> int:
             f"{label} ({pid})": [
                 [round(t - t0, 1), round(sample[pid][1] / 1024, 1)] for t, sample in samples if pid in sample
             ]
-            for pid, (label, _) in samples[-1][1].items()
+            for pid, (label, *_) in samples[-1][1].items()
         },
         "load": summary,
     }
-    table = [("process", "pid", "RSS first (MiB)", "RSS last (MiB)", "drift %")]
+    table = [("process", "pid", "RSS first (MiB)", "RSS last (MiB)", "drift %", "of it: anon", "shmem")]
     table += [
-        (r["process"], str(r["pid"]), str(r["rss_first_mib"]), str(r["rss_last_mib"]), str(r["drift_pct"]))
+        (
+            r["process"],
+            str(r["pid"]),
+            str(r["rss_first_mib"]),
+            str(r["rss_last_mib"]),
+            str(r["drift_pct"]),
+            f"{r['anon_change_mib']:+}",
+            f"{r['shmem_change_mib']:+}",
+        )
         for r in rows
     ]
     path = write_report(

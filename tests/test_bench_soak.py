@@ -30,6 +30,11 @@ def test_a_short_soak_reports_failures_leaks_and_rss_of_every_process(tmp_path: 
     for needed in ("ray::PrefillWorker", "ray::DecodeWorker", "ray::Controller", "ray::Monitor", "raylet"):
         assert needed in processes, processes
     assert all(r["rss_first_mib"] > 0 and r["drift_pct"] is not None for r in result["rss"])
+    # The change split into anonymous memory and shared memory (the KV cache), for every process.
+    assert all(
+        isinstance(r["anon_change_mib"], float) and isinstance(r["shmem_change_mib"], float)
+        for r in result["rss"]
+    )
     assert result["rss_samples"] >= 3
     assert "bench soak" in report["command"]
     assert "| ray::DecodeWorker |" in out.with_suffix(".md").read_text()

@@ -15,6 +15,9 @@ order, so the spread of each figure is in the report.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
+import functools
 import json
 import os
 import random
@@ -26,7 +29,7 @@ import time
 # name -> (environment added to the child's, whether the heap is trimmed after every prefill). The glibc
 # threshold sends every allocation above it to its own mmap, returned to the kernel when freed; the oneDNN capacity
 # keeps 16 primitives per kind instead of 1024; a trim (``malloc_trim(0)``) hands the free pages of glibc's heaps
-# back, as a prefill worker does when its queue empties (worker/heap.py), and the next prefill faults them in again.
+# back, as a worker could when its queue empties, and the next prefill faults them in again.
 SETTINGS: dict[str, tuple[dict[str, str], bool]] = {
     "default": ({}, False),
     "onednn16": ({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"}, False),
@@ -57,6 +60,30 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library is another (musl, macOS)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        fn = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def trim_heap() -> bool:
+    """Return the free pages of every glibc heap to the kernel; False where there is no glibc."""
+    fn = _malloc_trim()
+    if fn is None:
+        return False
+    fn(0)
+    return True
+
+
 def _rss_mib() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -70,7 +97,6 @@ def child(args: argparse.Namespace) -> dict:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.request import Request, SamplingParams
-    from worker.heap import trim_heap
 
     engine = LLMEngine(EngineConfig(model=args.model))
     vocab = engine.loaded.model.config.vocab_size

@@ -32,7 +32,6 @@ from prefill_worker.worker import PrefillWorker
 from worker.actor import EngineWorker
 from worker.colocated import ColocatedWorker
 from worker.config import WorkerConfig
-from worker.heap import worker_env
 from worker.info import DecodePeer, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -352,9 +351,9 @@ def _cores(role: str, index: int, config: ClusterConfig) -> tuple[int, ...]:
 _QUIET_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
-def worker_runtime_env(config: ClusterConfig) -> dict:
-    """A worker's Ray runtime_env: the oneDNN cache bound (worker/heap.py) and, when quiet, no progress bars."""
-    return {"env_vars": {**worker_env(), **(_QUIET_ENV if config.quiet else {})}}
+def worker_runtime_env(config: ClusterConfig) -> dict | None:
+    """A worker's Ray runtime_env: when quiet, no progress bars."""
+    return {"env_vars": dict(_QUIET_ENV)} if config.quiet else None
 
 
 # TASK_EVENTS_NOTE: the cluster's actors take calls without pause (every gateway long-polls every worker, workers

@@ -24,7 +24,6 @@ from kv_transfer.streaming import LayerStreamer
 from monitor.records import BatchRecord
 from worker.actor import EngineWorker
 from worker.config import WorkerConfig
-from worker.heap import trim_heap
 from worker.info import DecodePeer
 from worker.messages import PrefilledMessage, RequestMessage
 
@@ -101,26 +100,15 @@ class PrefillWorker(EngineWorker):
 
     # ------------------------------------------------------------------ loop
     def _loop(self) -> None:
-        # Set by every batch: the first moment the queue is empty after one, the heap is trimmed (see worker/heap.py:
-        # without it, RSS climbs for hours under varied prompt lengths), off the path of any batch.
-        trim_due = False
         while not self._closed.is_set():
             with self._cond:
                 self._expire()
-                if not self._queue and not trim_due:
+                if not self._queue:
                     self._cond.wait(0.5)
                     continue
-                if self._queue:
-                    batch_id, items = self._queue.popleft()
-                    self._in_progress += 1
-                    items = [(m, d) for m, d in items if m.request_id not in self._tombstones]
-                else:
-                    items = None
-            if items is None:
-                trim_due = False
-                trim_heap()
-                continue
-            trim_due = True
+                batch_id, items = self._queue.popleft()
+                self._in_progress += 1
+                items = [(m, d) for m, d in items if m.request_id not in self._tombstones]
             streamer = LayerStreamer(self.transport) if self.config.stream_kv_layers else None
             try:
                 sends = self._run(items, streamer)

@@ -248,14 +248,3 @@ def test_actors_find_each_other_in_the_clusters_namespace_not_the_drivers(ray_se
         assert_no_leaks(asyncio.run(wait_idle(backend)))
     finally:
         asyncio.run(backend.shutdown())
-
-
-def test_workers_run_with_onednn_cache_bounded(backends):
-    """Each worker's process starts with oneDNN's primitive cache bounded (worker/heap.py): set through Ray's
-    runtime_env, before torch loads, since oneDNN reads it once."""
-    from worker.heap import ONEDNN_CACHE_ENV, worker_env
-
-    want = worker_env()[ONEDNN_CACHE_ENV]
-    for name, w in backends["disaggregated"].handles.workers.items():
-        got = ray.get(w.handle.__ray_call__.remote(lambda _: __import__("os").environ.get(ONEDNN_CACHE_ENV)))
-        assert got == want, f"{name}: {ONEDNN_CACHE_ENV}={got!r}"

@@ -579,8 +579,7 @@ class Controller:
 
     def _scale_down(self, role: str, now: float) -> None:
         d = self.dispatcher
-        pool = d.prefill if role == "prefill" else d.decode
-        candidates = [w for w in pool.values() if d._usable(w)]
+        candidates = d.usable(role)
         if len(candidates) < 2:
             return
         # The least loaded; among equals the newest (the launcher's first workers stay).

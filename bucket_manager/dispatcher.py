@@ -176,10 +176,14 @@ class Dispatcher:
             pool.pop(worker_id, None)
         self._draining.discard(worker_id)
 
+    def usable(self, role: str) -> list[WorkerLedger]:
+        """The role's workers planned for: alive, not reported down, not draining."""
+        pool = self.prefill if role == "prefill" else self.decode
+        return [w for w in pool.values() if self._usable(w)]
+
     def role_load(self, role: str) -> tuple[int, int, float]:
         """(workers planned for, of them busy, share of their KV blocks promised) of a role, from the ledger."""
-        pool = self.prefill if role == "prefill" else self.decode
-        live = [w for w in pool.values() if self._usable(w)]
+        live = self.usable(role)
         total = sum(w.total_blocks for w in live)
         used = sum(w.reserved_blocks() for w in live)
         busy = sum(1 for w in live if w.outstanding or w.reserved)

@@ -255,16 +255,21 @@ class ClusterTooSmall(RuntimeError):
     """The Ray cluster can never hold the workers' CPUs: said at once instead of waiting for ever."""
 
 
-def _max_cluster_cpus() -> float | None:
-    """The most CPUs this Ray cluster can have: its autoscaler's limit where it has one, else what its nodes
-    have now; None when an autoscaler's config does not say."""
+def _autoscaler_limits() -> dict[str, float] | None:
+    """The most of each resource the cluster's autoscaler may bring up; None without an autoscaler's config."""
     from ray._private.state import state  # Ray Train's check of its workers asks the same
 
     try:
-        limits = state.get_max_resources_from_cluster_config()
+        return state.get_max_resources_from_cluster_config()
     except Exception as e:  # a Ray without it: judge by the nodes alone
         logger.debug("no autoscaler limits: %s", e)
-        limits = None
+        return None
+
+
+def _max_cluster_cpus() -> float | None:
+    """The most CPUs this Ray cluster can have: its autoscaler's limit where it has one, else what its nodes
+    have now; None when an autoscaler's config does not say."""
+    limits = _autoscaler_limits()
     now = float(ray.cluster_resources().get("CPU", 0.0))
     if limits is None:
         return now
@@ -304,13 +309,8 @@ def _offers(node_resources: Mapping[str, float], need: Mapping[str, float]) -> b
 def check_placement(config: ClusterConfig) -> None:
     """Raise :class:`ClusterTooSmall` when a role's resources (``prefill_resources``, ``decode_resources``) are
     offered by no node of the cluster, nor by any its autoscaler may add: such a worker would wait for ever."""
-    from ray._private.state import state
-
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    try:
-        limits = state.get_max_resources_from_cluster_config()
-    except Exception:
-        limits = None
+    limits = _autoscaler_limits()
     roles = sorted({role for role, _ in config.worker_ids()})
     for role in roles:
         need = {**config.role_resources(role), "CPU": config.worker_num_cpus}
@@ -439,10 +439,16 @@ class WorkerSpawner:
 
     def stop(self, worker_id: str) -> None:
         with contextlib.suppress(ValueError):  # already gone
-            handle = ray.get_actor(worker_id, namespace=self.config.namespace)
-            with contextlib.suppress(Exception):
-                ray.get(handle.shutdown.remote(), timeout=10)
-            ray.kill(handle)
+            _stop_worker(ray.get_actor(worker_id, namespace=self.config.namespace))
+
+
+def _stop_worker(handle: ActorHandle[EngineWorker]) -> None:
+    """Ask a worker to shut down (it closes its KV endpoint and loop), then kill its actor."""
+    try:
+        ray.get(handle.shutdown.remote(), timeout=10)
+    except Exception as e:  # already gone
+        logger.debug("worker shutdown: %s", e)
+    ray.kill(handle)
 
 
 def launch_cluster(config: ClusterConfig) -> ClusterHandles:
@@ -641,12 +647,7 @@ def stop_cluster(handles: ClusterHandles) -> None:
     if handles.controller is not None:
         ray.kill(handles.controller)
     for w in handles.workers.values():
-        try:
-            ray.get(w.handle.shutdown.remote(), timeout=10)
-        except Exception as e:  # already gone
-            logger.debug("worker shutdown: %s", e)
-    for w in handles.workers.values():
-        ray.kill(w.handle)
+        _stop_worker(w.handle)
     config = handles.config
     if config.scaling is not None:  # the workers it added, under names the launcher did not hand out
         spawner = WorkerSpawner(config)

@@ -44,6 +44,17 @@ def wait_for_line(server: ServerProcess, text: str, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
+def _distinct_free_ports(n: int) -> list[int]:
+    """``n`` free ports, no two alike: the OS may hand a port just released back to the next ask, and Ray refuses
+    a port given to two of its components."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 def start_node(
     env: dict[str, str],
     ray_tmp: Path,
@@ -57,14 +68,14 @@ def start_node(
 ) -> ServerProcess:
     """A head (``head_port``) or a node joining ``address``, on ``node_ip``, every port of its own free; returns
     once it is up. Stop it with :func:`stop_node`."""
-    ports = {
-        "--node-manager-port": free_port(),
-        "--object-manager-port": free_port(),
-        "--dashboard-agent-listen-port": free_port(),
-        "--dashboard-agent-grpc-port": free_port(),
-        "--runtime-env-agent-port": free_port(),
-        "--metrics-export-port": free_port(),
-    }
+    flags = [
+        "--node-manager-port",
+        "--object-manager-port",
+        "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port",
+        "--runtime-env-agent-port",
+        "--metrics-export-port",
+    ]
     cmd = [str(BIN / "ray"), "start", "--block", "--num-cpus", str(num_cpus), "--node-ip-address", node_ip]
     cmd += ["--disable-usage-stats", "--temp-dir", str(ray_tmp)]
     # Worker processes on ports the OS picks: Ray's default range (10002-19999) is shared with other clusters.
@@ -72,12 +83,12 @@ def start_node(
     if head_port is not None:
         cmd += ["--head", "--port", str(head_port), "--include-dashboard", "false"]
         # Without the dashboard Ray still starts a dashboard process, on 8265 unless told.
-        ports |= {"--dashboard-port": free_port(), "--ray-client-server-port": free_port()}
+        flags += ["--dashboard-port", "--ray-client-server-port"]
     else:
         cmd += ["--address", str(address)]
     if resources:
         cmd += ["--resources", json.dumps(resources)]
-    for flag, value in ports.items():
+    for flag, value in zip(flags, _distinct_free_ports(len(flags)), strict=True):
         cmd += [flag, str(value)]
     node = ServerProcess(cmd, env, log)
     try:

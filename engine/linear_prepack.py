@@ -5,6 +5,16 @@ Measured on this 2-core AVX-512 host (fp32, ``[M, 512] x [512, 1408]``): oneDNN 
 decode-sized GEMM (M = 8) in 0.057 ms against 0.165 ms for ``F.linear`` (MKL, unpacked), a large one at about
 2.3x the rate, and the 32000-row LM head at M = 8 in 2.0 ms against 9.3 ms; results stay fp32-accurate.
 
+Few rows (decode steps, up to ``SKINNY_MAX_M``) go to our own kernel instead
+(``engine/kernels/skinny_linear_cpu.cpp``), on a second copy of the weight laid out in 16-column panels: a
+decode step is bound by how fast the weights stream from memory, and oneDNN's GEMM, blocked for larger M,
+reads them at about half the machine's read bandwidth at M = 8. Measured on the same host, 2 threads, fp32,
+weights well beyond the caches: ``[8, 512] x [512, 1408]`` at 23.8 GB/s against oneDNN's 17.5, the k/v
+projections ``[8, 512] x [512, 256]`` at 23.1 against 10.5, the down projection ``[8, 1408] x [1408, 512]`` at
+17.1 against 16.4; still ahead at M = 16 (1.05-1.66x), behind at M = 32. The panel copy costs one more copy
+of the linear weights, fp32 only (bf16 weights stay on oneDNN, whose bf16 GEMM uses the CPU's bf16 dot
+instructions).
+
 The model classes stay transformers' own: only each linear module's ``forward`` is replaced, on the instance,
 by one that calls the packed operator; the original weight stays in place (tied embeddings and checkpoint
 code still see it).
@@ -24,6 +34,9 @@ logger = logging.getLogger(__name__)
 # The batch size oneDNN tunes the packed layout for; any M runs, this one covers decode batches to prefill
 # chunks well (measured: within 10% of the best hint from M = 1 to 512).
 PACK_HINT_M = 32
+# Up to this many rows a linear runs on the skinny kernel (when it is built), above it on oneDNN.
+SKINNY_MAX_M = 16
+SKINNY_PANEL = 16  # output columns per panel of the skinny kernel's weight layout
 
 
 # Packed linear layers by index. A compiled graph cannot take a packed (opaque-layout) tensor as a graph input, so
@@ -36,6 +49,8 @@ _next_index = itertools.count()
 def _packed_matmul(x: torch.Tensor, index: int) -> torch.Tensor:
     module = _PACKED[index]()
     assert module is not None, "a packed linear layer was used after its model was freed"
+    if module.skinny is not None and x.shape[0] <= SKINNY_MAX_M:
+        return module.skinny(x, module.panel_weight, module.bias, module.out_features)  # [M, N]
     return torch.ops.mkldnn._linear_pointwise(x, module.packed_weight, module.bias, "none", [], "")  # [M, N]
 
 
@@ -67,18 +82,46 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+def panel_layout(w: torch.Tensor) -> torch.Tensor:
+    """A weight [N, K] as the skinny kernel's column panels [ceil(N / 16), K, 16], zero-padded past N."""
+    n, k = w.shape
+    panels = -(-n // SKINNY_PANEL)
+    padded = w.new_zeros(panels * SKINNY_PANEL, k)
+    padded[:n] = w
+    return padded.view(panels, SKINNY_PANEL, k).transpose(1, 2).contiguous()  # [NP, K, 16]
+
+
+def _skinny_kernel(dtype: torch.dtype):
+    """The skinny kernel when it helps here: fp32 weights on an AVX-512 host, where it was measured."""
+    if dtype != torch.float32 or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return None
+    from engine.kernels.build import load_skinny_linear
+
+    return load_skinny_linear()
+
+
 def prepack_linears(model: torch.nn.Module) -> int:
-    """Swap every linear layer's forward for a prepacked oneDNN one; returns how many were packed."""
+    """Swap every linear layer's forward for a prepacked oneDNN one (and the skinny kernel for few rows);
+    returns how many were packed."""
     n = 0
+    skinny = None
     for module in model.modules():
         if type(module) is not torch.nn.Linear:
             continue
         w = module.weight.detach()  # [N, K]
+        if n == 0:
+            skinny = _skinny_kernel(w.dtype)
         index = next(_next_index)
+        module.skinny = skinny
+        module.panel_weight = panel_layout(w) if skinny is not None else None
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_M)
         module.packed_index = index
         _PACKED[index] = weakref.ref(module, lambda _, i=index: _PACKED.pop(i, None))
         module.forward = MethodType(_packed_forward, module)
         n += 1
-    logger.info("prepacked %d linear layers for oneDNN", n)
+    logger.info(
+        "prepacked %d linear layers for oneDNN%s",
+        n,
+        f", and for the skinny kernel up to {SKINNY_MAX_M} rows" if skinny is not None else "",
+    )
     return n

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.linear_prepack import can_prepack, prepack_linears
@@ -13,14 +14,15 @@ def test_the_cpu_build_can_prepack():
     assert can_prepack(torch.device("cpu"), torch.float32)
 
 
-def test_every_linear_is_packed_and_the_model_output_is_unchanged():
+@pytest.mark.parametrize("length", [5, 37])  # the skinny kernel (few rows) and oneDNN
+def test_every_linear_is_packed_and_the_model_output_is_unchanged(length: int):
     plain = load_model("tiny", torch.device("cpu"), "float32").model
     packed = load_model("tiny", torch.device("cpu"), "float32").model
     for m in (plain, packed):  # transformers' own attention: only the linears differ
         m.set_attn_implementation("sdpa")
     n = prepack_linears(packed)
     assert n == sum(1 for m in packed.modules() if type(m) is torch.nn.Linear) > 0
-    ids = torch.randint(10, 4000, (1, 37))
+    ids = torch.randint(10, 4000, (1, length))
     with torch.inference_mode():
         a = plain(input_ids=ids).logits
         b = packed(input_ids=ids).logits

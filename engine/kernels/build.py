@@ -1,11 +1,12 @@
-"""Build (once) and load the C++ paged attention kernel; ``None`` when it cannot be had.
+"""Build (once) and load the C++ CPU kernels; ``None`` for a kernel that cannot be had.
 
-The extension is compiled into ``$BUCKETSERVE_CACHE/extensions/<hash>``, the hash covering the sources,
-the torch version, the compiler flags and the CPU capability torch detected, so a cache folder shared
-between machines or torch upgrades never loads a stale or foreign binary. Loading is once per process:
-the operator registers itself as ``torch.ops.bucketserve_cpu.paged_attention``.
+Each kernel source is compiled into its own library under ``$BUCKETSERVE_CACHE/extensions/<hash>``, the hash
+covering the source, the headers beside it, the torch version, the compiler flags and the CPU capability torch
+detected, so a cache folder shared between machines or torch upgrades never loads a stale or foreign binary.
+Loading is once per process; each library registers its operator under ``torch.ops.bucketserve_cpu``:
+``paged_attention`` (``paged_attention_cpu.cpp``) and ``skinny_linear`` (``skinny_linear_cpu.cpp``).
 
-``python -m engine.kernels.build`` prebuilds it (``make install`` does), so a server start only loads.
+``python -m engine.kernels.build`` prebuilds them (``make install`` does), so a server start only loads.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,8 +29,8 @@ from engine.model_builder import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
+SKINNY_LINEAR_SOURCE = Path(__file__).with_name("skinny_linear_cpu.cpp")
 OP_NAMESPACE = "bucketserve_cpu"
-_NAME = "bucketserve_paged_attention"
 
 # Vector ISA flags per capability torch itself detected on this CPU (what its own kernels dispatch to),
 # not -march=native: native also tunes for and may emit instructions of this exact CPU model, and the
@@ -41,7 +43,7 @@ _ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2"],
 }
 
-_loaded: dict[str, Callable[..., None] | None] = {}
+_loaded: dict[str, Callable[..., Any] | None] = {}
 _fake_registered = False
 
 
@@ -77,52 +79,67 @@ def _warn(msg: str) -> None:
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
-def load(source: Path = SOURCE) -> Callable[..., None] | None:
-    """The compiled operator, or None (with a warning) when no compiler is found or the build fails."""
+def load(source: Path = SOURCE, op: str = "paged_attention") -> Callable[..., Any] | None:
+    """The compiled operator ``op`` of ``source``, or None (with a warning) when no compiler is found or the
+    build fails."""
     key = str(source)
     if key in _loaded:
         return _loaded[key]
-    op = _build_and_load(source)
-    _loaded[key] = op
-    return op
+    compiled = _build_and_load(source, op)
+    _loaded[key] = compiled
+    return compiled
 
 
-def _build_and_load(source: Path) -> Callable[..., None] | None:
+def load_skinny_linear() -> Callable[..., Any] | None:
+    """``skinny_linear(x, panels, bias, n)``, or None: callers then keep oneDNN for every linear."""
+    return load(SKINNY_LINEAR_SOURCE, "skinny_linear")
+
+
+def _what(op: str) -> str:
+    return op.replace("_", " ") + " kernel"
+
+
+def _library_name(source: Path) -> str:
+    return "bucketserve_" + source.stem.removesuffix("_cpu")
+
+
+def _build_and_load(source: Path, op: str) -> Callable[..., Any] | None:
     if not source.is_file():
-        _warn(f"paged attention kernel: source {source} is missing; using the pure-torch fallback")
+        _warn(f"{_what(op)}: source {source} is missing; using its fallback")
         return None
     target = build_dir(source)
     t0 = time.perf_counter()
-    if not _load_built(target) and not _build(source, target):
+    if not _load_built(source, target, op) and not _build(source, target, op):
         return None
-    _register_fake()
-    log.info("paged attention kernel loaded from %s in %.1f s", target, time.perf_counter() - t0)
-    return getattr(torch.ops, OP_NAMESPACE).paged_attention
+    if op == "paged_attention":
+        _register_fake()
+    log.info("%s loaded from %s in %.1f s", _what(op), target, time.perf_counter() - t0)
+    return getattr(getattr(torch.ops, OP_NAMESPACE), op)
 
 
-def _load_built(target: Path) -> bool:
+def _load_built(source: Path, target: Path, op: str) -> bool:
     """A binary already built for this exact source, torch and flags loads without compiler or ninja."""
-    library = target / f"{_NAME}.so"
+    library = target / f"{_library_name(source)}.so"
     if not library.is_file():
         return False
     try:
         torch.ops.load_library(str(library))
     except Exception as e:  # e.g. a build interrupted mid-link: build again (which warns if it fails too)
-        log.warning("paged attention kernel: cannot load %s (%s); rebuilding", library, e)
+        log.warning("%s: cannot load %s (%s); rebuilding", _what(op), library, e)
         return False
     return True
 
 
-def _build(source: Path, target: Path) -> bool:
+def _build(source: Path, target: Path, op: str) -> bool:
     if _compiler() is None:
-        _warn("paged attention kernel: no C++ compiler found; using the pure-torch fallback")
+        _warn(f"{_what(op)}: no C++ compiler found; using its fallback")
         return False
     try:
         from torch.utils import cpp_extension
 
         target.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
-            name=_NAME,
+            name=_library_name(source),
             sources=[str(source)],
             extra_cflags=_flags(),
             extra_ldflags=_openmp(),
@@ -131,9 +148,7 @@ def _build(source: Path, target: Path) -> bool:
             verbose=False,
         )
     except Exception as e:  # a compiler error, a missing header, a linker failure: all mean "fall back"
-        _warn(
-            f"paged attention kernel: build failed ({type(e).__name__}: {str(e)[-500:]}); using the fallback"
-        )
+        _warn(f"{_what(op)}: build failed ({type(e).__name__}: {str(e)[-500:]}); using the fallback")
         return False
     return True
 
@@ -154,6 +169,7 @@ def main() -> int:
     """Prebuild; exit 0 either way, since the engine runs (slower) on the fallback."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     load()
+    load_skinny_linear()
     return 0
 
 

@@ -1,0 +1,83 @@
+"""The skinny linear kernel (C++, few rows) against float64 matmuls, and its place in the prepacked linears."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import build
+from engine.linear_prepack import SKINNY_MAX_M, panel_layout, prepack_linears
+
+
+@pytest.fixture(scope="module")
+def skinny():
+    op = build.load_skinny_linear()
+    # This host has a compiler and AVX-512: the kernel must build here, not skip.
+    assert op is not None, "the skinny linear kernel did not build"
+    return op
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().T
+    return (y + bias.double() if bias is not None else y).float()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 8, 9, 15, 16, 17, 33])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (100, 37), (16, 1), (1408, 512), (5, 300)])
+def test_matches_a_float64_matmul(skinny, m: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    panels = panel_layout(w)
+    assert panels.shape == (-(-n // 16), k, 16)
+    torch.testing.assert_close(skinny(x, panels, None, n), _reference(x, w, None), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(skinny(x, panels, bias, n), _reference(x, w, bias), rtol=1e-4, atol=1e-4)
+
+
+def test_reads_a_strided_input_and_an_empty_batch(skinny) -> None:
+    w = torch.randn(40, 24)
+    x = torch.randn(24, 6).T  # [6, 24], not contiguous
+    torch.testing.assert_close(
+        skinny(x, panel_layout(w), None, 40), _reference(x, w, None), rtol=1e-4, atol=1e-4
+    )
+    assert skinny(torch.randn(0, 24), panel_layout(w), None, 40).shape == (0, 40)
+
+
+def test_bad_shapes_and_dtypes_are_refused_with_a_reason(skinny) -> None:
+    w = torch.randn(40, 24)
+    panels = panel_layout(w)
+    with pytest.raises(RuntimeError, match="K = 25"):
+        skinny(torch.randn(2, 25), panels, None, 40)
+    with pytest.raises(RuntimeError, match="cannot hold n = 49"):
+        skinny(torch.randn(2, 24), panels, None, 49)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        skinny(torch.randn(2, 24, dtype=torch.bfloat16), panels, None, 40)
+    with pytest.raises(RuntimeError, match="bias"):
+        skinny(torch.randn(2, 24), panels, torch.randn(39), 40)
+
+
+@pytest.mark.parametrize("rows", [1, SKINNY_MAX_M, SKINNY_MAX_M + 1, 64])
+def test_a_packed_linear_takes_the_skinny_kernel_up_to_its_row_limit(skinny, rows: int, monkeypatch) -> None:
+    lin = torch.nn.Linear(64, 96)
+    x = torch.randn(rows, 64)
+    calls: list[int] = []
+    with torch.inference_mode():
+        want = lin(x)
+        prepack_linears(lin)
+        assert lin.skinny is skinny and lin.panel_weight is not None
+        real = lin.skinny
+        monkeypatch.setattr(lin, "skinny", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+        torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
+    assert calls == ([rows] if rows <= SKINNY_MAX_M else [])
+
+
+def test_bf16_weights_stay_on_onednn() -> None:
+    lin = torch.nn.Linear(64, 96).to(torch.bfloat16)
+    with torch.inference_mode():
+        prepack_linears(lin)
+        assert lin.skinny is None and lin.panel_weight is None
+        x = torch.randn(3, 64, dtype=torch.bfloat16)
+        torch.testing.assert_close(
+            lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), rtol=2e-2, atol=2e-2
+        )

@@ -1,4 +1,4 @@
-"""The skinny linear kernel (C++, few rows) against float64 matmuls, and its place in the prepacked linears."""
+"""The skinny linear kernel (C++, few rows: decode steps) against float64 matmuls, and its place in the prepacked linears."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
     return (y + bias.double() if bias is not None else y).float()
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 7, 8, 9, 15, 16, 17, 33])
-@pytest.mark.parametrize(("n", "k"), [(96, 64), (100, 37), (16, 1), (1408, 512), (5, 300)])
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 8, 9, 11, 12, 13, 16, 17, 24, 33, 64])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (100, 37), (48, 8), (16, 1), (1408, 512), (5, 300)])
 def test_matches_a_float64_matmul(skinny, m: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen)

@@ -25,6 +25,7 @@ import itertools
 import logging
 import weakref
 from types import MethodType
+from typing import Any
 
 import torch
 
@@ -42,13 +43,25 @@ SKINNY_PANEL = 16  # output columns per panel of the skinny kernel's weight layo
 # Packed linear layers by index. A compiled graph cannot take a packed (opaque-layout) tensor as a graph input, so
 # under torch.compile the GEMM is an opaque operator that finds its layer here by the index it is given. Each
 # module owns its packed weight; the registry holds it weakly, so a model that goes away takes its copy along.
-_PACKED: dict[int, weakref.ref[torch.nn.Linear]] = {}
+_PACKED: dict[int, weakref.ref[torch.nn.Module]] = {}
 _next_index = itertools.count()
 
 
-def _packed_matmul(x: torch.Tensor, index: int) -> torch.Tensor:
+def register(module: torch.nn.Module) -> int:
+    """A new index under which compiled graphs find ``module`` (held weakly)."""
+    index = next(_next_index)
+    _PACKED[index] = weakref.ref(module, lambda _, i=index: _PACKED.pop(i, None))
+    return index
+
+
+def registered(index: int) -> Any:
     module = _PACKED[index]()
-    assert module is not None, "a packed linear layer was used after its model was freed"
+    assert module is not None, "a packed layer was used after its model was freed"
+    return module
+
+
+def _packed_matmul(x: torch.Tensor, index: int) -> torch.Tensor:
+    module = registered(index)
     if module.skinny is not None and x.shape[0] <= SKINNY_MAX_M:
         return module.skinny(x, module.panel_weight, module.bias, module.out_features)  # [M, N]
     return torch.ops.mkldnn._linear_pointwise(x, module.packed_weight, module.bias, "none", [], "")  # [M, N]
@@ -61,9 +74,7 @@ def packed_linear_op(x: torch.Tensor, index: int) -> torch.Tensor:
 
 @packed_linear_op.register_fake
 def _packed_linear_fake(x: torch.Tensor, index: int) -> torch.Tensor:
-    module = _PACKED[index]()
-    assert module is not None
-    return x.new_empty(x.shape[0], module.out_features)
+    return x.new_empty(x.shape[0], registered(index).out_features)
 
 
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -111,12 +122,11 @@ def prepack_linears(model: torch.nn.Module) -> int:
         w = module.weight.detach()  # [N, K]
         if n == 0:
             skinny = _skinny_kernel(w.dtype)
-        index = next(_next_index)
+        index = register(module)
         module.skinny = skinny
         module.panel_weight = panel_layout(w) if skinny is not None else None
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_M)
         module.packed_index = index
-        _PACKED[index] = weakref.ref(module, lambda _, i=index: _PACKED.pop(i, None))
         module.forward = MethodType(_packed_forward, module)
         n += 1
     logger.info(

@@ -22,6 +22,7 @@ from engine.config import EngineConfig, resolve_engine_config
 from engine.device import get_device
 from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION
 from engine.flat_runner import FlatRunner
+from engine.fused_mlp import fuse_gated_mlps
 from engine.fused_norm import fuse_rms_norms
 from engine.kv_cache import KVCache
 from engine.linear_prepack import can_prepack, prepack_linears
@@ -61,6 +62,7 @@ class LLMEngine:
         model_dtype = next(self.loaded.model.parameters()).dtype
         if can_prepack(self.device.torch_device, model_dtype):
             prepack_linears(self.loaded.model)
+            fuse_gated_mlps(self.loaded.model)
         fuse_rms_norms(self.loaded.model)
         self.block_size = bs = cfg.cache.block_size
         self.kv_spec = self.loaded.kv_spec(bs)

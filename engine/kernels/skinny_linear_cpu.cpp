@@ -18,10 +18,12 @@
 // 12.7 / 10.5 at M = 32, 7.1 / 6.9 at M = 64, 5.0 / 5.1 at M = 96; [512 -> 256] 30.8 / 11.2 at M = 8.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 
 #if defined(__AVX512F__)
@@ -37,9 +39,10 @@ constexpr int64_t kPrefetchLines = 128;  // k-steps (64-byte lines) ahead
 // Rows [0, MR) of x times NP adjacent panels (16 * NP output columns): MR * NP accumulators in registers.
 // Two panels per pass let one broadcast of x[m][k] feed two FMAs, so from ~10 rows on the FMA units, not
 // the load ports, set the pace.
-template <int MR, int NP>
+template <int MR, int NP, bool kGated = false>
 inline void panel_rows(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
                        const float* bias, float* __restrict y, int64_t ldy, int64_t cols) {
+  static_assert(!kGated || NP == 2, "a gated pass holds one gate and one up panel");
   __m512 acc[NP][MR];
   __mmask16 mask[NP];
   for (int p = 0; p < NP; ++p) {
@@ -60,51 +63,68 @@ inline void panel_rows(const float* __restrict x, int64_t ldx, const float* __re
       for (int p = 0; p < NP; ++p) acc[p][m] = _mm512_fmadd_ps(xv, wv[p], acc[p][m]);
     }
   }
-  for (int p = 0; p < NP; ++p)
-    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * ldy + p * kPanel, mask[p], acc[p][m]);
+  if constexpr (kGated) {
+    // silu(gate) * up, as ATen's own SiLU computes it (x / (1 + exp(-x))), so the result is the same as the
+    // separate operators on these GEMM results.
+    using Vec = at::vec::Vectorized<float>;
+    for (int m = 0; m < MR; ++m) {
+      const Vec g(acc[0][m]);
+      const Vec h = g / (Vec(1.f) + g.neg().exp()) * Vec(acc[1][m]);
+      _mm512_mask_storeu_ps(y + m * ldy, mask[0], static_cast<__m512>(h));
+    }
+  } else {
+    for (int p = 0; p < NP; ++p)
+      for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * ldy + p * kPanel, mask[p], acc[p][m]);
+  }
 }
 #else
-template <int MR, int NP>
+template <int MR, int NP, bool kGated = false>
 inline void panel_rows(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
                        int64_t ldy, int64_t cols) {
+  const int64_t width = std::min<int64_t>(cols, kGated ? kPanel : NP * kPanel);
   for (int m = 0; m < MR; ++m)
-    for (int64_t c = 0; c < std::min<int64_t>(cols, NP * kPanel); ++c) {
-      const float* wp = w + (c / kPanel) * K * kPanel + c % kPanel;
-      float s = bias ? bias[c] : 0.f;
-      for (int64_t k = 0; k < K; ++k) s += x[m * ldx + k] * wp[k * kPanel];
-      y[m * ldy + c] = s;
+    for (int64_t c = 0; c < width; ++c) {
+      float s[2];
+      for (int p = 0; p < (kGated ? 2 : 1); ++p) {
+        const int64_t cc = kGated ? c + p * kPanel : c;
+        const float* wp = w + (cc / kPanel) * K * kPanel + cc % kPanel;
+        s[p] = bias ? bias[cc] : 0.f;
+        for (int64_t k = 0; k < K; ++k) s[p] += x[m * ldx + k] * wp[k * kPanel];
+      }
+      y[m * ldy + c] = kGated ? s[0] / (1.f + std::exp(-s[0])) * s[1] : s[0];
     }
 }
 #endif
 
 constexpr int kRowBlock = 12;  // rows per pass: 12 x 2 panels = 24 accumulators of AVX-512's 32 registers
 
-template <int NP, int MR>
+template <int NP, int MR, bool kGated>
 inline void rows_tail(const float* x, int64_t K, const float* w, const float* bias, float* y, int64_t N,
                       int64_t cols) {
-  if constexpr (MR > 0) panel_rows<MR, NP>(x, K, w, K, bias, y, N, cols);
+  if constexpr (MR > 0) panel_rows<MR, NP, kGated>(x, K, w, K, bias, y, N, cols);
 }
 
 // Rows [0, M) of NP adjacent panels, kRowBlock at a time, then the remainder.
-template <int NP>
+template <int NP, bool kGated = false>
 inline void panels_all_rows(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y,
                             int64_t N, int64_t cols) {
   int64_t m = 0;
-  for (; m + kRowBlock <= M; m += kRowBlock) panel_rows<kRowBlock, NP>(x + m * K, K, w, K, bias, y + m * N, N, cols);
+  for (; m + kRowBlock <= M; m += kRowBlock)
+    panel_rows<kRowBlock, NP, kGated>(x + m * K, K, w, K, bias, y + m * N, N, cols);
   const float* xm = x + m * K;
   float* ym = y + m * N;
   switch (M - m) {
-    case 11: rows_tail<NP, 11>(xm, K, w, bias, ym, N, cols); break;
-    case 10: rows_tail<NP, 10>(xm, K, w, bias, ym, N, cols); break;
-    case 9: rows_tail<NP, 9>(xm, K, w, bias, ym, N, cols); break;
-    case 8: rows_tail<NP, 8>(xm, K, w, bias, ym, N, cols); break;
-    case 7: rows_tail<NP, 7>(xm, K, w, bias, ym, N, cols); break;
-    case 6: rows_tail<NP, 6>(xm, K, w, bias, ym, N, cols); break;
-    case 5: rows_tail<NP, 5>(xm, K, w, bias, ym, N, cols); break;
-    case 4: rows_tail<NP, 4>(xm, K, w, bias, ym, N, cols); break;
-    case 3: rows_tail<NP, 3>(xm, K, w, bias, ym, N, cols); break;
-    case 2: rows_tail<NP, 2>(xm, K, w, bias, ym, N, cols); break;
-    case 1: rows_tail<NP, 1>(xm, K, w, bias, ym, N, cols); break;
+    case 11: rows_tail<NP, 11, kGated>(xm, K, w, bias, ym, N, cols); break;
+    case 10: rows_tail<NP, 10, kGated>(xm, K, w, bias, ym, N, cols); break;
+    case 9: rows_tail<NP, 9, kGated>(xm, K, w, bias, ym, N, cols); break;
+    case 8: rows_tail<NP, 8, kGated>(xm, K, w, bias, ym, N, cols); break;
+    case 7: rows_tail<NP, 7, kGated>(xm, K, w, bias, ym, N, cols); break;
+    case 6: rows_tail<NP, 6, kGated>(xm, K, w, bias, ym, N, cols); break;
+    case 5: rows_tail<NP, 5, kGated>(xm, K, w, bias, ym, N, cols); break;
+    case 4: rows_tail<NP, 4, kGated>(xm, K, w, bias, ym, N, cols); break;
+    case 3: rows_tail<NP, 3, kGated>(xm, K, w, bias, ym, N, cols); break;
+    case 2: rows_tail<NP, 2, kGated>(xm, K, w, bias, ym, N, cols); break;
+    case 1: rows_tail<NP, 1, kGated>(xm, K, w, bias, ym, N, cols); break;
     default: break;
   }
 }
@@ -146,10 +166,41 @@ at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& panels, const
   return y;
 }
 
+// A gated MLP's first half, fused: silu(x . Wg^T) * (x . Wu^T), from panels laid out gate 0, up 0, gate 1, up 1,
+// ... ([2 * ceil(n / 16), K, 16]): one pass per pair reads both, and the [M, 2n] intermediate never exists.
+at::Tensor skinny_silu_mul(const at::Tensor& x_in, const at::Tensor& panels, int64_t n) {
+  TORCH_CHECK(x_in.device().is_cpu() && panels.device().is_cpu(), "skinny_silu_mul: CPU tensors only");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat,
+              "skinny_silu_mul: float32 only");
+  TORCH_CHECK(x_in.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous(),
+              "skinny_silu_mul: x [M, K] and panels [2 * NP, K, 16] contiguous");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), pairs = panels.size(0) / 2;
+  TORCH_CHECK(panels.size(1) == K, "skinny_silu_mul: x has K = ", K, ", the weight ", panels.size(1));
+  TORCH_CHECK(panels.size(0) % 2 == 0 && n > (pairs - 1) * kPanel && n <= pairs * kPanel,
+              "skinny_silu_mul: ", panels.size(0), " panels cannot hold gate and up of n = ", n);
+  at::Tensor y = at::empty({M, n}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.const_data_ptr<float>();
+  const float* wp = panels.const_data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t c0 = q * kPanel;
+      panels_all_rows<2, true>(xp, M, K, wp + 2 * q * K * kPanel, nullptr, yp + c0, n, n - c0);
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(bucketserve_cpu, m) {
   m.def("skinny_linear(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
+  m.def("skinny_silu_mul(Tensor x, Tensor panels, int n) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(bucketserve_cpu, CPU, m) { m.impl("skinny_linear", &skinny_linear); }
+TORCH_LIBRARY_IMPL(bucketserve_cpu, CPU, m) {
+  m.impl("skinny_linear", &skinny_linear);
+  m.impl("skinny_silu_mul", &skinny_silu_mul);
+}

@@ -1,0 +1,102 @@
+"""Gated MLPs fused for few rows (gate and up in one skinny-kernel pass, SiLU and the product in its epilogue):
+the same as the unfused prepacked model to fp32 rounding (the GEMM sums are the same; ATen's SiLU takes a
+scalar exp on a tensor's last few elements, the epilogue a vector one), eager and compiled, and only where
+the probe agrees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.fused_mlp import fuse_gated_mlps
+from engine.kernels import build
+from engine.linear_prepack import SKINNY_MAX_M, panel_layout, prepack_linears
+from engine.model_loader import load_model
+
+
+@pytest.fixture(scope="module")
+def silu_mul():
+    assert build.load_skinny_linear() is not None, "the skinny linear kernel did not build"
+    return torch.ops.bucketserve_cpu.skinny_silu_mul
+
+
+def _interleaved(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.stack((panel_layout(gate), panel_layout(up)), dim=1).flatten(0, 1).contiguous()
+
+
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 40])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (100, 37), (1408, 512)])
+def test_kernel_matches_silu_of_gate_times_up_in_float64(silu_mul, m: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(m + n + k)
+    x, gate, up = (
+        torch.randn(m, k, generator=gen),
+        torch.randn(n, k, generator=gen),
+        torch.randn(n, k, generator=gen),
+    )
+    g, u = x.double() @ gate.double().T, x.double() @ up.double().T
+    want = (torch.nn.functional.silu(g) * u).float()
+    # fp32 sums of k products against float64: tolerance on the scale of the outputs (cancellation near 0)
+    atol = 1e-5 * want.abs().max().item()
+    torch.testing.assert_close(silu_mul(x, _interleaved(gate, up), n), want, rtol=1e-4, atol=atol)
+
+
+def test_kernel_refuses_panels_that_cannot_hold_the_size(silu_mul) -> None:
+    panels = _interleaved(torch.randn(40, 24), torch.randn(40, 24))
+    with pytest.raises(RuntimeError, match="cannot hold gate and up of n = 49"):
+        silu_mul(torch.randn(2, 24), panels, 49)
+
+
+@pytest.mark.parametrize("length", [1, 9, SKINNY_MAX_M, SKINNY_MAX_M + 7])
+def test_the_fused_model_equals_the_unfused_one_to_fp32_rounding(silu_mul, length: int) -> None:
+    plain = load_model("tiny", torch.device("cpu"), "float32").model
+    fused = load_model("tiny", torch.device("cpu"), "float32").model
+    for m in (plain, fused):
+        m.set_attn_implementation("sdpa")
+        prepack_linears(m)
+    mlps = [m for m in fused.modules() if type(m).__name__.endswith("MLP")]
+    assert fuse_gated_mlps(fused) == len(mlps) > 0
+    assert all(m.gate_proj.panel_weight is None and m.up_proj.panel_weight is None for m in mlps)
+    ids = torch.randint(10, 4000, (1, length))
+    with torch.inference_mode():
+        want, got = plain(input_ids=ids).logits, fused(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+class GeluMLP(torch.nn.Module):
+    """Same attribute names, another activation: the probe must refuse it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(32, 48, bias=False)
+        self.up_proj = torch.nn.Linear(32, 48, bias=False)
+        self.down_proj = torch.nn.Linear(48, 32, bias=False)
+        self.act_fn = torch.nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SiluMLP(GeluMLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act_fn = torch.nn.SiLU()
+
+
+def test_an_mlp_with_another_activation_keeps_its_own_forward(silu_mul) -> None:
+    mlp = GeluMLP()
+    prepack_linears(mlp)
+    assert fuse_gated_mlps(mlp) == 0
+    assert mlp.gate_proj.panel_weight is not None  # nothing was taken from it
+
+
+def test_the_fused_mlp_runs_inside_a_compiled_graph(silu_mul) -> None:
+    mlp = SiluMLP()
+    with torch.inference_mode():
+        x = torch.randn(SKINNY_MAX_M + 3, 32)
+        want = mlp(x)
+        prepack_linears(mlp)
+        assert fuse_gated_mlps(mlp) == 1
+        compiled = torch.compile(mlp, dynamic=True)
+        torch.testing.assert_close(compiled(x), want, rtol=1e-5, atol=1e-5)  # oneDNN rows
+        torch.testing.assert_close(compiled(x[:5]), want[:5], rtol=1e-5, atol=1e-5)  # skinny rows

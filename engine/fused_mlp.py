@@ -58,7 +58,13 @@ def _fusable(mlp: torch.nn.Module) -> bool:
     if not all(type(p) is torch.nn.Linear and getattr(p, "skinny", None) is not None for p in parts):
         return False
     gate, up, _ = parts
-    return gate.bias is None and up.bias is None and gate.weight.shape == up.weight.shape
+    # fp32 only: in bf16 transformers rounds gate and up to bf16 before the SiLU, the fused epilogue does not.
+    return (
+        gate.weight.dtype == torch.float32
+        and gate.bias is None
+        and up.bias is None
+        and gate.weight.shape == up.weight.shape
+    )
 
 
 @torch.inference_mode()

@@ -53,6 +53,10 @@ def fuse_rms_norms(model: torch.nn.Module) -> int:
             swapped += 1
         else:
             kept += 1
-    if swapped or kept:
-        logger.info("fused %d RMSNorm layers (%d kept their own forward: results differ)", swapped, kept)
+    if kept:
+        logger.info(
+            "fused %d RMSNorm layers; %d keep their own forward (the fused results differ)", swapped, kept
+        )
+    elif swapped:
+        logger.info("fused %d RMSNorm layers", swapped)
     return swapped

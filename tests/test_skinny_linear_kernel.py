@@ -35,6 +35,22 @@ def test_matches_a_float64_matmul(skinny, m: int, n: int, k: int) -> None:
     torch.testing.assert_close(skinny(x, panels, bias, n), _reference(x, w, bias), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("m", [1, 8, 13, 40])
+@pytest.mark.parametrize(("n", "k"), [(100, 37), (1408, 512)])
+def test_bf16_weights_and_rows_are_widened_exactly(skinny, m: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    got = skinny(x, panel_layout(w), bias, n)
+    assert got.dtype == torch.bfloat16
+    # fp32 sums of the exact bf16 values, rounded once to bf16: within one bf16 rounding of the float64 result
+    want = _reference(x.float(), w.float(), bias.float())
+    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3 * want.abs().max().item())
+    # fp32 rows over bf16 weights (mixed) give fp32
+    assert skinny(x.float(), panel_layout(w), None, n).dtype == torch.float32
+
+
 def test_reads_a_strided_input_and_an_empty_batch(skinny) -> None:
     w = torch.randn(40, 24)
     x = torch.randn(24, 6).T  # [6, 24], not contiguous
@@ -51,8 +67,8 @@ def test_bad_shapes_and_dtypes_are_refused_with_a_reason(skinny) -> None:
         skinny(torch.randn(2, 25), panels, None, 40)
     with pytest.raises(RuntimeError, match="cannot hold n = 49"):
         skinny(torch.randn(2, 24), panels, None, 49)
-    with pytest.raises(RuntimeError, match="float32 only"):
-        skinny(torch.randn(2, 24, dtype=torch.bfloat16), panels, None, 40)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
+        skinny(torch.randn(2, 24, dtype=torch.float16), panels, None, 40)
     with pytest.raises(RuntimeError, match="bias"):
         skinny(torch.randn(2, 24), panels, torch.randn(39), 40)
 
@@ -72,12 +88,12 @@ def test_a_packed_linear_takes_the_skinny_kernel_up_to_its_row_limit(skinny, row
     assert calls == ([rows] if rows <= SKINNY_MAX_M else [])
 
 
-def test_bf16_weights_stay_on_onednn() -> None:
+def test_bf16_linears_take_the_skinny_kernel_too(skinny) -> None:
     lin = torch.nn.Linear(64, 96).to(torch.bfloat16)
     with torch.inference_mode():
         prepack_linears(lin)
-        assert lin.skinny is None and lin.panel_weight is None
-        x = torch.randn(3, 64, dtype=torch.bfloat16)
-        torch.testing.assert_close(
-            lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), rtol=2e-2, atol=2e-2
-        )
+        assert lin.skinny is skinny and lin.panel_weight.dtype == torch.bfloat16
+        for rows in (3, SKINNY_MAX_M + 1):  # skinny, then oneDNN
+            x = torch.randn(rows, 64, dtype=torch.bfloat16)
+            want = torch.nn.functional.linear(x, lin.weight, lin.bias)
+            torch.testing.assert_close(lin(x), want, rtol=2e-2, atol=2e-2)

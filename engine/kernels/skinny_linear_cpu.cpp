@@ -1,4 +1,5 @@
-// A linear layer for few rows (decode batches): y[M, N] = x[M, K] . W[N, K]^T (+ bias), fp32, M <= ~64.
+// A linear layer for few rows (decode batches): y[M, N] = x[M, K] . W[N, K]^T (+ bias), M <= ~64, fp32 or bf16
+// weights and rows (bf16 is widened exactly as it is read; the arithmetic is fp32, rounded once to x's dtype).
 //
 //   bucketserve_cpu::skinny_linear(x[M,K], panels[NP,K,16], bias[N]?, n) -> y[M,n]
 //
@@ -15,7 +16,8 @@
 //
 // Measured on a 2-core AVX-512 host, 2 threads, fp32, weights well beyond the caches (GB/s of weights read,
 // this kernel / oneDNN with a prepacked weight): [512 -> 1408] 30.5 / 24.5 at M = 1, 25.0 / 17.6 at M = 8,
-// 12.7 / 10.5 at M = 32, 7.1 / 6.9 at M = 64, 5.0 / 5.1 at M = 96; [512 -> 256] 30.8 / 11.2 at M = 8.
+// 12.7 / 10.5 at M = 32, 7.1 / 6.9 at M = 64, 5.0 / 5.1 at M = 96; [512 -> 256] 30.8 / 11.2 at M = 8. bf16
+// weights, against oneDNN's bf16 GEMM (no AMX on that host): 15.4 / 10.3 at M = 8, 6.2 / 4.3 at M = 32.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
@@ -24,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <optional>
 
 #if defined(__AVX512F__)
@@ -35,13 +38,31 @@ namespace {
 constexpr int64_t kPanel = 16;
 constexpr int64_t kPrefetchLines = 128;  // k-steps (64-byte lines) ahead
 
+// bf16 weights are read as their 16-bit patterns and widened exactly to fp32 (a bf16 is the top half of an fp32):
+// they halve the bytes streamed, the arithmetic stays fp32.
+using bf16_bits = uint16_t;
+
 #if defined(__AVX512F__)
+template <typename WT>
+inline __m512 load_w(const WT* p);
+template <>
+inline __m512 load_w<float>(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+template <>
+inline __m512 load_w<bf16_bits>(const bf16_bits* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // Rows [0, MR) of x times NP adjacent panels (16 * NP output columns): MR * NP accumulators in registers.
 // Two panels per pass let one broadcast of x[m][k] feed two FMAs, so from ~10 rows on the FMA units, not
 // the load ports, set the pace.
-template <int MR, int NP, bool kGated = false>
-inline void panel_rows(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+template <int MR, int NP, bool kGated, typename WT>
+inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restrict w, int64_t K,
                        const float* bias, float* __restrict y, int64_t ldy, int64_t cols) {
+  // Prefetch about 8 KB ahead whatever the weight's width.
+  constexpr int64_t ahead = kPrefetchLines * static_cast<int64_t>(sizeof(float) / sizeof(WT));
   static_assert(!kGated || NP == 2, "a gated pass holds one gate and one up panel");
   __m512 acc[NP][MR];
   __mmask16 mask[NP];
@@ -55,8 +76,8 @@ inline void panel_rows(const float* __restrict x, int64_t ldx, const float* __re
   for (int64_t k = 0; k < K; ++k) {
     __m512 wv[NP];
     for (int p = 0; p < NP; ++p) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + p * stride + (k + kPrefetchLines) * kPanel), _MM_HINT_T0);
-      wv[p] = _mm512_loadu_ps(w + p * stride + k * kPanel);
+      _mm_prefetch(reinterpret_cast<const char*>(w + p * stride + (k + ahead) * kPanel), _MM_HINT_T0);
+      wv[p] = load_w<WT>(w + p * stride + k * kPanel);
     }
     for (int m = 0; m < MR; ++m) {
       const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
@@ -78,8 +99,16 @@ inline void panel_rows(const float* __restrict x, int64_t ldx, const float* __re
   }
 }
 #else
-template <int MR, int NP, bool kGated = false>
-inline void panel_rows(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
+inline float widen(float v) { return v; }
+inline float widen(bf16_bits v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <int MR, int NP, bool kGated, typename WT>
+inline void panel_rows(const float* x, int64_t ldx, const WT* w, int64_t K, const float* bias, float* y,
                        int64_t ldy, int64_t cols) {
   const int64_t width = std::min<int64_t>(cols, kGated ? kPanel : NP * kPanel);
   for (int m = 0; m < MR; ++m)
@@ -87,9 +116,9 @@ inline void panel_rows(const float* x, int64_t ldx, const float* w, int64_t K, c
       float s[2];
       for (int p = 0; p < (kGated ? 2 : 1); ++p) {
         const int64_t cc = kGated ? c + p * kPanel : c;
-        const float* wp = w + (cc / kPanel) * K * kPanel + cc % kPanel;
+        const WT* wp = w + (cc / kPanel) * K * kPanel + cc % kPanel;
         s[p] = bias ? bias[cc] : 0.f;
-        for (int64_t k = 0; k < K; ++k) s[p] += x[m * ldx + k] * wp[k * kPanel];
+        for (int64_t k = 0; k < K; ++k) s[p] += x[m * ldx + k] * widen(wp[k * kPanel]);
       }
       y[m * ldy + c] = kGated ? s[0] / (1.f + std::exp(-s[0])) * s[1] : s[0];
     }
@@ -98,99 +127,108 @@ inline void panel_rows(const float* x, int64_t ldx, const float* w, int64_t K, c
 
 constexpr int kRowBlock = 12;  // rows per pass: 12 x 2 panels = 24 accumulators of AVX-512's 32 registers
 
-template <int NP, int MR, bool kGated>
-inline void rows_tail(const float* x, int64_t K, const float* w, const float* bias, float* y, int64_t N,
+template <int NP, int MR, bool kGated, typename WT>
+inline void rows_tail(const float* x, int64_t K, const WT* w, const float* bias, float* y, int64_t N,
                       int64_t cols) {
-  if constexpr (MR > 0) panel_rows<MR, NP, kGated>(x, K, w, K, bias, y, N, cols);
+  if constexpr (MR > 0) panel_rows<MR, NP, kGated, WT>(x, K, w, K, bias, y, N, cols);
 }
 
 // Rows [0, M) of NP adjacent panels, kRowBlock at a time, then the remainder.
-template <int NP, bool kGated = false>
-inline void panels_all_rows(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y,
+template <int NP, bool kGated, typename WT>
+inline void panels_all_rows(const float* x, int64_t M, int64_t K, const WT* w, const float* bias, float* y,
                             int64_t N, int64_t cols) {
   int64_t m = 0;
   for (; m + kRowBlock <= M; m += kRowBlock)
-    panel_rows<kRowBlock, NP, kGated>(x + m * K, K, w, K, bias, y + m * N, N, cols);
+    panel_rows<kRowBlock, NP, kGated, WT>(x + m * K, K, w, K, bias, y + m * N, N, cols);
   const float* xm = x + m * K;
   float* ym = y + m * N;
   switch (M - m) {
-    case 11: rows_tail<NP, 11, kGated>(xm, K, w, bias, ym, N, cols); break;
-    case 10: rows_tail<NP, 10, kGated>(xm, K, w, bias, ym, N, cols); break;
-    case 9: rows_tail<NP, 9, kGated>(xm, K, w, bias, ym, N, cols); break;
-    case 8: rows_tail<NP, 8, kGated>(xm, K, w, bias, ym, N, cols); break;
-    case 7: rows_tail<NP, 7, kGated>(xm, K, w, bias, ym, N, cols); break;
-    case 6: rows_tail<NP, 6, kGated>(xm, K, w, bias, ym, N, cols); break;
-    case 5: rows_tail<NP, 5, kGated>(xm, K, w, bias, ym, N, cols); break;
-    case 4: rows_tail<NP, 4, kGated>(xm, K, w, bias, ym, N, cols); break;
-    case 3: rows_tail<NP, 3, kGated>(xm, K, w, bias, ym, N, cols); break;
-    case 2: rows_tail<NP, 2, kGated>(xm, K, w, bias, ym, N, cols); break;
-    case 1: rows_tail<NP, 1, kGated>(xm, K, w, bias, ym, N, cols); break;
+    case 11: rows_tail<NP, 11, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
+    case 10: rows_tail<NP, 10, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
+    case 9: rows_tail<NP, 9, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
+    case 8: rows_tail<NP, 8, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
+    case 7: rows_tail<NP, 7, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
+    case 6: rows_tail<NP, 6, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
+    case 5: rows_tail<NP, 5, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
+    case 4: rows_tail<NP, 4, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
+    case 3: rows_tail<NP, 3, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
+    case 2: rows_tail<NP, 2, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
+    case 1: rows_tail<NP, 1, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
     default: break;
   }
 }
 
-at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                         int64_t n) {
-  TORCH_CHECK(x_in.device().is_cpu() && panels.device().is_cpu(), "skinny_linear: CPU tensors only");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat, "skinny_linear: float32 only");
-  TORCH_CHECK(x_in.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous(),
-              "skinny_linear: x [M, K] and panels [NP, K, 16] contiguous");
-  const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), NP = panels.size(0);
-  TORCH_CHECK(panels.size(1) == K, "skinny_linear: x has K = ", K, ", the weight ", panels.size(1));
-  TORCH_CHECK(n > (NP - 1) * kPanel && n <= NP * kPanel, "skinny_linear: ", NP, " panels cannot hold n = ", n);
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "skinny_linear: bias must be contiguous float32 [n]");
-    bp = bias->const_data_ptr<float>();
-  }
-  at::Tensor y = at::empty({M, n}, x.options());
-  if (M == 0) return y;
-  const float* xp = x.const_data_ptr<float>();
-  const float* wp = panels.const_data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // Threads take contiguous runs of panel pairs; an odd last panel goes alone.
-  const int64_t pairs = (NP + 1) / 2;
+// What both operators check and convert: fp32 rows (bf16 rows are widened once, a few KB), the panels'
+// geometry, and the weight's element type. Results are computed in fp32 and returned in x's dtype.
+struct Args {
+  at::Tensor x;  // [M, K] fp32, contiguous
+  int64_t M, K, NP;
+  bool bf16;  // weight panels in bf16 (else fp32)
+};
+
+Args check(const char* op, const at::Tensor& x_in, const at::Tensor& panels) {
+  TORCH_CHECK(x_in.device().is_cpu() && panels.device().is_cpu(), op, ": CPU tensors only");
+  const auto xt = x_in.scalar_type(), wt = panels.scalar_type();
+  TORCH_CHECK((xt == at::kFloat || xt == at::kBFloat16) && (wt == at::kFloat || wt == at::kBFloat16), op,
+              ": float32 or bfloat16 only");
+  TORCH_CHECK(x_in.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous(), op,
+              ": x [M, K] and panels [NP, K, 16] contiguous");
+  TORCH_CHECK(panels.size(1) == x_in.size(1), op, ": x has K = ", x_in.size(1), ", the weight ", panels.size(1));
+  at::Tensor x = x_in.to(at::kFloat).contiguous();
+  return {x, x.size(0), x.size(1), panels.size(0), wt == at::kBFloat16};
+}
+
+template <bool kGated, typename WT>
+void run_pairs(const Args& a, const WT* wp, const float* bp, float* yp, int64_t n) {
+  // Threads take contiguous runs of panel pairs; an odd last panel goes alone (never in a gated call).
+  const int64_t pairs = (a.NP + 1) / 2;
+  const float* xp = a.x.const_data_ptr<float>();
   at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
     for (int64_t q = q0; q < q1; ++q) {
-      const int64_t p = 2 * q, c0 = p * kPanel, cols = n - c0;
-      const float* w = wp + p * K * kPanel;
+      const int64_t p = 2 * q, c0 = (kGated ? q : p) * kPanel;
+      const WT* w = wp + p * a.K * kPanel;
       const float* b = bp ? bp + c0 : nullptr;
-      if (p + 1 < NP)
-        panels_all_rows<2>(xp, M, K, w, b, yp + c0, n, cols);
-      else
-        panels_all_rows<1>(xp, M, K, w, b, yp + c0, n, cols);
+      if (p + 1 < a.NP)
+        panels_all_rows<2, kGated, WT>(xp, a.M, a.K, w, b, yp + c0, n, n - c0);
+      else if constexpr (!kGated)
+        panels_all_rows<1, false, WT>(xp, a.M, a.K, w, b, yp + c0, n, n - c0);
     }
   });
-  return y;
+}
+
+template <bool kGated>
+at::Tensor run(const Args& a, const at::Tensor& x_in, const at::Tensor& panels, const float* bp, int64_t n) {
+  at::Tensor y = at::empty({a.M, n}, a.x.options());
+  if (a.M > 0) {
+    if (a.bf16)
+      run_pairs<kGated>(a, reinterpret_cast<const bf16_bits*>(panels.const_data_ptr<at::BFloat16>()), bp,
+                        y.data_ptr<float>(), n);
+    else
+      run_pairs<kGated>(a, panels.const_data_ptr<float>(), bp, y.data_ptr<float>(), n);
+  }
+  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+}
+
+at::Tensor skinny_linear(const at::Tensor& x_in, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                         int64_t n) {
+  const Args a = check("skinny_linear", x_in, panels);
+  TORCH_CHECK(n > (a.NP - 1) * kPanel && n <= a.NP * kPanel, "skinny_linear: ", a.NP, " panels cannot hold n = ", n);
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->numel() == n, "skinny_linear: bias must be [n]");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  return run<false>(a, x_in, panels, b.defined() ? b.const_data_ptr<float>() : nullptr, n);
 }
 
 // A gated MLP's first half, fused: silu(x . Wg^T) * (x . Wu^T), from panels laid out gate 0, up 0, gate 1, up 1,
 // ... ([2 * ceil(n / 16), K, 16]): one pass per pair reads both, and the [M, 2n] intermediate never exists.
 at::Tensor skinny_silu_mul(const at::Tensor& x_in, const at::Tensor& panels, int64_t n) {
-  TORCH_CHECK(x_in.device().is_cpu() && panels.device().is_cpu(), "skinny_silu_mul: CPU tensors only");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat,
-              "skinny_silu_mul: float32 only");
-  TORCH_CHECK(x_in.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous(),
-              "skinny_silu_mul: x [M, K] and panels [2 * NP, K, 16] contiguous");
-  const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), pairs = panels.size(0) / 2;
-  TORCH_CHECK(panels.size(1) == K, "skinny_silu_mul: x has K = ", K, ", the weight ", panels.size(1));
-  TORCH_CHECK(panels.size(0) % 2 == 0 && n > (pairs - 1) * kPanel && n <= pairs * kPanel,
-              "skinny_silu_mul: ", panels.size(0), " panels cannot hold gate and up of n = ", n);
-  at::Tensor y = at::empty({M, n}, x.options());
-  if (M == 0) return y;
-  const float* xp = x.const_data_ptr<float>();
-  const float* wp = panels.const_data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
-    for (int64_t q = q0; q < q1; ++q) {
-      const int64_t c0 = q * kPanel;
-      panels_all_rows<2, true>(xp, M, K, wp + 2 * q * K * kPanel, nullptr, yp + c0, n, n - c0);
-    }
-  });
-  return y;
+  const Args a = check("skinny_silu_mul", x_in, panels);
+  const int64_t pairs = a.NP / 2;
+  TORCH_CHECK(a.NP % 2 == 0 && n > (pairs - 1) * kPanel && n <= pairs * kPanel, "skinny_silu_mul: ", a.NP,
+              " panels cannot hold gate and up of n = ", n);
+  return run<true>(a, x_in, panels, nullptr, n);
 }
 
 }  // namespace

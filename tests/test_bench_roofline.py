@@ -24,6 +24,20 @@ def test_bounds_count_what_a_step_moves_and_computes():
     assert s.prefill_flops(batch=2, tokens=t) == 2 * 1000 * 2 * t + 2 * 32 * 100 * 2 + 2 * 4 * 2 * 4 * 8 * 15
 
 
+def test_the_phases_bound_adds_the_gemm_phase_and_the_attention_phase():
+    s = ModelShape(layers=2, heads=4, kv_heads=2, head_dim=8, hidden=32, vocab=100, layer_params=1000, elem=4)
+    weights, kv = (1000 + 3200) * 4, 3 * 12 * s.kv_bytes_per_token
+    dense, attention = 2 * 4200 * 3, 3 * s.attention_flops([10])
+    # Memory-bound everywhere: the phases' bounds add up to the whole step's memory bound.
+    assert s.phases_bound_s(3, 10, bandwidth=1.0, rate=1e12) == pytest.approx(weights + kv)
+    # GEMMs compute-bound (20000 s against 16800 s of weights), attention memory-bound: their sum exceeds
+    # either whole-step bound.
+    bw, rate = 1.0, dense / 20000
+    assert attention / rate < kv
+    assert s.phases_bound_s(3, 10, bw, rate) == pytest.approx(20000 + kv)
+    assert s.phases_bound_s(3, 10, bw, rate) > max(s.decode_bytes(3, 10) / bw, s.decode_flops(3, 10) / rate)
+
+
 def test_parameter_count_is_the_models(tmp_path):
     from engine.model_loader import load_model
 
@@ -51,5 +65,8 @@ def test_small_run_reports_every_step_with_its_bound(tmp_path, capsys):
     for r in result["rows"]:
         assert r["measured_ms"] > 0 and r["bound_ms"] > 0
         assert r["ratio"] == pytest.approx(r["measured_ms"] / r["bound_ms"])
+        if r["step"].startswith("decode"):  # never below the whole step's bound
+            assert r["phases_bound_ms"] >= r["bound_ms"] * (1 - 1e-9)
+            assert r["ratio_phases"] == pytest.approx(r["measured_ms"] / r["phases_bound_ms"])
     saved = json.loads(out.with_suffix(".json").read_text())
     assert saved["result"] == result and "Roofline" in saved["title"]

@@ -1,7 +1,8 @@
 """Gated MLPs (``down(silu(gate(x)) * up(x))``: Llama, Mistral, Qwen) with their first half fused for few rows:
 one pass of the skinny kernel reads the gate and up weights side by side and writes ``silu(g) * u`` directly
 (``bucketserve_cpu::skinny_silu_mul``), instead of two linear calls, a SiLU and a multiply with a
-``[M, 2 * intermediate]`` result in between. Above ``SKINNY_MAX_M`` rows the MLP runs as before, on oneDNN.
+``[M, 2 * intermediate]`` result in between. Above ``SKINNY_MAX_M`` rows it runs on oneDNN, with the SiLU fused
+into the gate GEMM and the product into the up GEMM (oneDNN post-ops).
 
 The gate and up weights' panel copies are replaced by one interleaved copy (gate panel 0, up panel 0, gate
 panel 1, ...), so the fusion costs no memory. An MLP is fused only when its own forward and the fused one agree
@@ -16,35 +17,20 @@ from types import MethodType
 
 import torch
 
-from engine.linear_prepack import SKINNY_MAX_M, register, registered
+from engine.linear_prepack import SKINNY_MAX_M
 
 logger = logging.getLogger(__name__)
-
-
-def _gated(x: torch.Tensor, index: int) -> torch.Tensor:
-    # x [M, hidden] -> silu(gate) * up [M, intermediate]
-    mlp = registered(index)
-    if x.shape[0] <= SKINNY_MAX_M:
-        return mlp.skinny_silu_mul(x, mlp.gate_up_panels, mlp.gate_proj.out_features)
-    return mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
-
-
-@torch.library.custom_op("bucketserve::gated_mlp_half", mutates_args=())
-def gated_op(x: torch.Tensor, index: int) -> torch.Tensor:
-    # Opaque under torch.compile: the row count decides the kernel at run time, so one graph serves every T.
-    return _gated(x, index)
-
-
-@gated_op.register_fake
-def _gated_fake(x: torch.Tensor, index: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], registered(index).gate_proj.out_features)
 
 
 def _fused_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     # x [..., hidden] -> [..., hidden]
     flat = x.reshape(-1, x.shape[-1])
-    fn = gated_op if torch.compiler.is_compiling() else _gated
-    h = fn(flat, self.gated_index)  # [M, intermediate]
+    gate, up = self.gate_proj, self.up_proj
+    # silu(gate) * up [M, intermediate]: the skinny pass up to SKINNY_MAX_M rows, else oneDNN with the SiLU fused
+    # into the gate GEMM and the product into the up GEMM; one operator, so one compiled graph serves every T.
+    h = torch.ops.bucketserve_cpu.gated_linear(
+        flat, self.gate_up_panels, gate.out_features, gate.packed_index, up.packed_index, SKINNY_MAX_M
+    )
     return self.down_proj(h).view(*x.shape[:-1], -1)
 
 
@@ -55,7 +41,7 @@ def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def _fusable(mlp: torch.nn.Module) -> bool:
     parts = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    if not all(type(p) is torch.nn.Linear and getattr(p, "skinny", None) is not None for p in parts):
+    if not all(type(p) is torch.nn.Linear and getattr(p, "panel_weight", None) is not None for p in parts):
         return False
     gate, up, _ = parts
     # fp32 only: in bf16 transformers rounds gate and up to bf16 before the SiLU, the fused epilogue does not.
@@ -74,7 +60,6 @@ def fuse_gated_mlps(model: torch.nn.Module) -> int:
 
     if load_skinny_linear() is None:
         return 0
-    silu_mul = torch.ops.bucketserve_cpu.skinny_silu_mul
     gen = torch.Generator().manual_seed(0)
     fused = kept = 0
     for mlp in model.modules():
@@ -83,15 +68,18 @@ def fuse_gated_mlps(model: torch.nn.Module) -> int:
         gate, up = mlp.gate_proj, mlp.up_proj
         panels = _interleave(gate.panel_weight, up.panel_weight)
         probe = torch.randn(3, gate.in_features, generator=gen).to(gate.weight.dtype)
-        want = mlp(probe)
-        mlp.skinny_silu_mul, mlp.gate_up_panels, mlp.gated_index = silu_mul, panels, register(mlp)
-        if not torch.allclose(_fused_forward(mlp, probe), want, rtol=1e-4, atol=1e-5):
-            del mlp.skinny_silu_mul, mlp.gate_up_panels
+        mlp.gate_up_panels = panels
+        # Both sides of the dispatch: skinny rows and oneDNN rows.
+        wide = torch.randn(SKINNY_MAX_M + 1, gate.in_features, generator=gen).to(gate.weight.dtype)
+        if not all(
+            torch.allclose(_fused_forward(mlp, x), mlp(x), rtol=1e-4, atol=1e-5) for x in (probe, wide)
+        ):
+            del mlp.gate_up_panels
             kept += 1
             continue
         mlp.forward = MethodType(_fused_forward, mlp)
         for part in (gate, up):  # their rows now come from the interleaved copy
-            part.skinny = part.panel_weight = None
+            part.panel_weight = None
         fused += 1
     if fused or kept:
         logger.info("fused %d gated MLPs for the skinny kernel (%d kept their own forward)", fused, kept)

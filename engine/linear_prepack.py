@@ -42,8 +42,10 @@ SKINNY_PANEL = 16  # output columns per panel of the skinny kernel's weight layo
 
 
 # Packed linear layers by index. A compiled graph cannot take a packed (opaque-layout) tensor as a graph input, so
-# under torch.compile the GEMM is an opaque operator that finds its layer here by the index it is given. Each
-# module owns its packed weight; the registry holds it weakly, so a model that goes away takes its copy along.
+# a layer's operator call carries an index under which its packed weight is found at run time: in the kernel
+# extension's own registry (``remember_packed``), where the row count also picks the skinny kernel or oneDNN
+# with no Python per call; or, on a host that could not build the extension, here, for an opaque Python
+# operator. Each module owns its packed weight; both registries let go of it when the module goes.
 _PACKED: dict[int, weakref.ref[torch.nn.Module]] = {}
 _next_index = itertools.count()
 
@@ -61,16 +63,14 @@ def registered(index: int) -> Any:
     return module
 
 
-def _packed_matmul(x: torch.Tensor, index: int) -> torch.Tensor:
+def _onednn_matmul(x: torch.Tensor, index: int) -> torch.Tensor:
     module = registered(index)
-    if module.skinny is not None and x.shape[0] <= SKINNY_MAX_M:
-        return module.skinny(x, module.panel_weight, module.bias, module.out_features)  # [M, N]
     return torch.ops.mkldnn._linear_pointwise(x, module.packed_weight, module.bias, "none", [], "")  # [M, N]
 
 
 @torch.library.custom_op("bucketserve::packed_linear", mutates_args=())
 def packed_linear_op(x: torch.Tensor, index: int) -> torch.Tensor:
-    return _packed_matmul(x, index)
+    return _onednn_matmul(x, index)
 
 
 @packed_linear_op.register_fake
@@ -78,12 +78,24 @@ def _packed_linear_fake(x: torch.Tensor, index: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], registered(index).out_features)
 
 
-def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """Without the kernel extension: oneDNN for every row count."""
     # x [..., K] -> [..., N]
     flat = x.reshape(-1, x.shape[-1])  # [M, K]
     # Eager calls skip the operator's dispatch.
-    fn = packed_linear_op if torch.compiler.is_compiling() else _packed_matmul
+    fn = packed_linear_op if torch.compiler.is_compiling() else _onednn_matmul
     return fn(flat, self.packed_index).view(*x.shape[:-1], self.out_features)
+
+
+def _dispatched_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """With the kernel extension: one C++ operator picks the skinny kernel (up to SKINNY_MAX_M rows, when the
+    layer has panels) or oneDNN."""
+    # x [..., K] -> [..., N]
+    flat = x.reshape(-1, x.shape[-1])  # [M, K]
+    y = torch.ops.bucketserve_cpu.packed_linear(
+        flat, self.panel_weight, self.bias, self.out_features, self.packed_index, SKINNY_MAX_M
+    )
+    return y.view(*x.shape[:-1], self.out_features)
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -103,36 +115,41 @@ def panel_layout(w: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, SKINNY_PANEL, k).transpose(1, 2).contiguous()  # [NP, K, 16]
 
 
-def _skinny_kernel(dtype: torch.dtype):
-    """The skinny kernel when it helps here: fp32 or bf16 weights on an AVX-512 host, where it was measured."""
-    if dtype not in (torch.float32, torch.bfloat16) or torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return None
+def _kernels():
+    """The kernel extension's operators (``torch.ops.bucketserve_cpu``), or None where it cannot be built."""
     from engine.kernels.build import load_skinny_linear
 
-    return load_skinny_linear()
+    return None if load_skinny_linear() is None else torch.ops.bucketserve_cpu
+
+
+def _wants_panels(dtype: torch.dtype) -> bool:
+    """The skinny kernel where it was measured to help: fp32 or bf16 weights on an AVX-512 host."""
+    return dtype in (torch.float32, torch.bfloat16) and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def prepack_linears(model: torch.nn.Module) -> int:
     """Swap every linear layer's forward for a prepacked oneDNN one (and the skinny kernel for few rows);
     returns how many were packed."""
-    n = 0
-    skinny = None
-    for module in model.modules():
-        if type(module) is not torch.nn.Linear:
-            continue
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    if not linears:
+        return 0
+    ops = _kernels()
+    panels = ops is not None and _wants_panels(linears[0].weight.dtype)
+    for module in linears:
         w = module.weight.detach()  # [N, K]
-        if n == 0:
-            skinny = _skinny_kernel(w.dtype)
         index = register(module)
-        module.skinny = skinny
-        module.panel_weight = panel_layout(w) if skinny is not None else None
+        module.panel_weight = panel_layout(w) if panels else None
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_M)
         module.packed_index = index
-        module.forward = MethodType(_packed_forward, module)
-        n += 1
+        if ops is not None:
+            ops.remember_packed(index, module.packed_weight)
+            weakref.finalize(module, ops.forget_packed, index)
+            module.forward = MethodType(_dispatched_forward, module)
+        else:
+            module.forward = MethodType(_onednn_forward, module)
     logger.info(
         "prepacked %d linear layers for oneDNN%s",
-        n,
-        f", and for the skinny kernel up to {SKINNY_MAX_M} rows" if skinny is not None else "",
+        len(linears),
+        f", and for the skinny kernel up to {SKINNY_MAX_M} rows" if panels else "",
     )
-    return n
+    return len(linears)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -73,26 +75,53 @@ def test_bad_shapes_and_dtypes_are_refused_with_a_reason(skinny) -> None:
         skinny(torch.randn(2, 24), panels, torch.randn(39), 40)
 
 
-@pytest.mark.parametrize("rows", [1, SKINNY_MAX_M, SKINNY_MAX_M + 1, 64])
-def test_a_packed_linear_takes_the_skinny_kernel_up_to_its_row_limit(skinny, rows: int, monkeypatch) -> None:
+@pytest.mark.parametrize("rows", [1, SKINNY_MAX_M, SKINNY_MAX_M + 1, 3 * SKINNY_MAX_M])
+def test_a_packed_linear_takes_the_skinny_kernel_up_to_its_row_limit(skinny, rows: int) -> None:
     lin = torch.nn.Linear(64, 96)
     x = torch.randn(rows, 64)
-    calls: list[int] = []
     with torch.inference_mode():
         want = lin(x)
         prepack_linears(lin)
-        assert lin.skinny is skinny and lin.panel_weight is not None
-        real = lin.skinny
-        monkeypatch.setattr(lin, "skinny", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
         torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
-    assert calls == ([rows] if rows <= SKINNY_MAX_M else [])
+        # Which kernel ran: with its panels zeroed, the skinny kernel gives the bias alone, oneDNN (on its own
+        # packed copy) the right answer.
+        lin.panel_weight.zero_()
+        skinny_ran = torch.equal(lin(x), lin.bias.expand(rows, -1))
+    assert skinny_ran == (rows <= SKINNY_MAX_M)
+
+
+def test_a_freed_layer_takes_its_packed_weight_along(skinny) -> None:
+    lin = torch.nn.Linear(64, 96)
+    prepack_linears(lin)
+    index, x = lin.packed_index, torch.randn(SKINNY_MAX_M + 1, 64)
+    ops = torch.ops.bucketserve_cpu
+    assert ops.packed_linear(x, None, None, 96, index, SKINNY_MAX_M).shape == (SKINNY_MAX_M + 1, 96)
+    del lin
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"no prepacked weight under index {index}"):
+        ops.packed_linear(x, None, None, 96, index, SKINNY_MAX_M)
+
+
+def test_without_the_kernel_extension_every_row_count_runs_on_onednn(monkeypatch) -> None:
+    from engine import linear_prepack
+
+    monkeypatch.setattr(linear_prepack, "_kernels", lambda: None)
+    lin = torch.nn.Linear(64, 96)
+    with torch.inference_mode():
+        x = torch.randn(5, 64)
+        want = lin(x)
+        prepack_linears(lin)
+        assert lin.panel_weight is None
+        torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
+        compiled = torch.compile(lin, dynamic=True)
+        torch.testing.assert_close(compiled(x), want, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_linears_take_the_skinny_kernel_too(skinny) -> None:
     lin = torch.nn.Linear(64, 96).to(torch.bfloat16)
     with torch.inference_mode():
         prepack_linears(lin)
-        assert lin.skinny is skinny and lin.panel_weight.dtype == torch.bfloat16
+        assert lin.panel_weight.dtype == torch.bfloat16
         for rows in (3, SKINNY_MAX_M + 1):  # skinny, then oneDNN
             x = torch.randn(rows, 64, dtype=torch.bfloat16)
             want = torch.nn.functional.linear(x, lin.weight, lin.bias)

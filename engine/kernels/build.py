@@ -44,7 +44,7 @@ _ISA_FLAGS = {
 }
 
 _loaded: dict[str, Callable[..., Any] | None] = {}
-_fake_registered = False
+_fakes_registered: set[str] = set()
 
 
 def _flags() -> list[str]:
@@ -111,8 +111,7 @@ def _build_and_load(source: Path, op: str) -> Callable[..., Any] | None:
     t0 = time.perf_counter()
     if not _load_built(source, target, op) and not _build(source, target, op):
         return None
-    if op == "paged_attention":
-        _register_fake()
+    _register_fakes(op)
     log.info("%s loaded from %s in %.1f s", _what(op), target, time.perf_counter() - t0)
     return getattr(getattr(torch.ops, OP_NAMESPACE), op)
 
@@ -153,16 +152,35 @@ def _build(source: Path, target: Path, op: str) -> bool:
     return True
 
 
-def _register_fake() -> None:
-    # Lets torch.compile trace the operator as opaque: it only writes ``out``.
-    global _fake_registered
-    if _fake_registered:
+def _register_fakes(op: str) -> None:
+    # Lets torch.compile trace the operators as opaque: their output shapes, no data.
+    if op in _fakes_registered:
         return
-    _fake_registered = True
+    _fakes_registered.add(op)
+    lib = f"{OP_NAMESPACE}::"
+    if op == "paged_attention":
 
-    @torch.library.register_fake(f"{OP_NAMESPACE}::paged_attention")
-    def _fake(out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale) -> None:
-        return None
+        @torch.library.register_fake(lib + "paged_attention")
+        def _attention(out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale) -> None:
+            return None  # it only writes ``out``
+
+    elif op == "skinny_linear":
+
+        @torch.library.register_fake(lib + "skinny_linear")
+        def _skinny(x, panels, bias, n):
+            return x.new_empty(x.shape[0], n)
+
+        @torch.library.register_fake(lib + "skinny_silu_mul")
+        def _skinny_silu_mul(x, panels, n):
+            return x.new_empty(x.shape[0], n)
+
+        @torch.library.register_fake(lib + "packed_linear")
+        def _packed(x, panels, bias, n, index, max_rows):
+            return x.new_empty(x.shape[0], n)
+
+        @torch.library.register_fake(lib + "gated_linear")
+        def _gated(x, panels, n, gate_index, up_index, max_rows):
+            return x.new_empty(x.shape[0], n)
 
 
 def main() -> int:

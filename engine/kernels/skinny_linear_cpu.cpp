@@ -20,6 +20,8 @@
 // weights, against oneDNN's bf16 GEMM (no AMX on that host): 15.4 / 10.3 at M = 8, 6.2 / 4.3 at M = 32.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -27,7 +29,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <optional>
+#include <string>
+#include <unordered_map>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -231,14 +236,89 @@ at::Tensor skinny_silu_mul(const at::Tensor& x_in, const at::Tensor& panels, int
   return run<true>(a, x_in, panels, nullptr, n);
 }
 
+// ---------------------------------------------------------------- one entry point per prepacked linear
+// Many rows go to oneDNN with the weight prepacked in its blocked layout. That opaque tensor cannot be an input
+// of a compiled graph, so it stays here, under the index its layer was given at load; a layer's operator call
+// carries its panels (a plain tensor), its bias and that index, and the row count picks the kernel at run time:
+// one compiled graph serves every token count, and the choice costs no Python per call.
+std::mutex g_packed_mutex;
+std::unordered_map<int64_t, at::Tensor> g_packed;
+
+void remember_packed(int64_t index, const at::Tensor& packed) {
+  std::lock_guard<std::mutex> lock(g_packed_mutex);
+  g_packed[index] = packed;
+}
+
+void forget_packed(int64_t index) {
+  std::lock_guard<std::mutex> lock(g_packed_mutex);
+  g_packed.erase(index);
+}
+
+at::Tensor packed_of(int64_t index) {
+  std::lock_guard<std::mutex> lock(g_packed_mutex);
+  const auto it = g_packed.find(index);
+  TORCH_CHECK(it != g_packed.end(), "packed linear: no prepacked weight under index ", index);
+  return it->second;
+}
+
+// oneDNN's linear with an optional fused epilogue: attr "none" or "swish" (unary), or a binary "mul" with other.
+at::Tensor onednn_linear(const at::Tensor& x, int64_t index, const std::optional<at::Tensor>& bias,
+                         const char* attr, const at::Tensor* other = nullptr) {
+  static const c10::OperatorHandle unary =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  static const c10::OperatorHandle binary =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "binary");
+  torch::jit::Stack stack;
+  stack.emplace_back(x);
+  if (other != nullptr) stack.emplace_back(*other);
+  stack.emplace_back(packed_of(index));
+  stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
+  stack.emplace_back(std::string(attr));
+  if (other == nullptr) {
+    stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+    stack.emplace_back(std::string(""));
+    unary.callBoxed(&stack);
+  } else {
+    binary.callBoxed(&stack);
+  }
+  return stack[0].toTensor();
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const std::optional<at::Tensor>& panels,
+                         const std::optional<at::Tensor>& bias, int64_t n, int64_t index, int64_t max_rows) {
+  if (panels.has_value() && panels->defined() && x.size(0) <= max_rows) return skinny_linear(x, *panels, bias, n);
+  return onednn_linear(x, index, bias, "none");
+}
+
+// silu(x . Wg^T) * (x . Wu^T): the skinny pass over interleaved panels for few rows, else oneDNN with SiLU fused
+// into the gate GEMM and the product into the up GEMM.
+at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, int64_t gate_index,
+                        int64_t up_index, int64_t max_rows) {
+  if (x.size(0) <= max_rows) return skinny_silu_mul(x, panels, n);
+  const at::Tensor gate = onednn_linear(x, gate_index, std::nullopt, "swish");
+  return onednn_linear(x, up_index, std::nullopt, "mul", &gate);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(bucketserve_cpu, m) {
   m.def("skinny_linear(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
   m.def("skinny_silu_mul(Tensor x, Tensor panels, int n) -> Tensor");
+  m.def("remember_packed(int index, Tensor packed) -> ()");
+  m.def("forget_packed(int index) -> ()");
+  m.def("packed_linear(Tensor x, Tensor? panels, Tensor? bias, int n, int index, int max_rows) -> Tensor");
+  m.def("gated_linear(Tensor x, Tensor panels, int n, int gate_index, int up_index, int max_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(bucketserve_cpu, CPU, m) {
   m.impl("skinny_linear", &skinny_linear);
   m.impl("skinny_silu_mul", &skinny_silu_mul);
+  m.impl("packed_linear", &packed_linear);
+  m.impl("gated_linear", &gated_linear);
+}
+
+// Registry calls carry no CPU tensor argument to dispatch on.
+TORCH_LIBRARY_IMPL(bucketserve_cpu, CatchAll, m) {
+  m.impl("remember_packed", &remember_packed);
+  m.impl("forget_packed", &forget_packed);
 }

@@ -55,11 +55,8 @@ def _fusable(mlp: torch.nn.Module) -> bool:
 
 @torch.inference_mode()
 def fuse_gated_mlps(model: torch.nn.Module) -> int:
-    """Fuse every gated MLP whose linears were prepacked for the skinny kernel; returns how many."""
-    from engine.kernels.build import load_skinny_linear
-
-    if load_skinny_linear() is None:
-        return 0
+    """Fuse every gated MLP whose linears were prepacked for the skinny kernel (they have panels only where the
+    kernel extension loaded); returns how many."""
     gen = torch.Generator().manual_seed(0)
     fused = kept = 0
     for mlp in model.modules():

@@ -26,7 +26,6 @@ import itertools
 import logging
 import weakref
 from types import MethodType
-from typing import Any
 
 import torch
 
@@ -46,25 +45,25 @@ SKINNY_PANEL = 16  # output columns per panel of the skinny kernel's weight layo
 # extension's own registry (``remember_packed``), where the row count also picks the skinny kernel or oneDNN
 # with no Python per call; or, on a host that could not build the extension, here, for an opaque Python
 # operator. Each module owns its packed weight; both registries let go of it when the module goes.
-_PACKED: dict[int, weakref.ref[torch.nn.Module]] = {}
+_PACKED: dict[int, weakref.ref[torch.nn.Linear]] = {}
 _next_index = itertools.count()
 
 
-def register(module: torch.nn.Module) -> int:
+def _register(module: torch.nn.Linear) -> int:
     """A new index under which compiled graphs find ``module`` (held weakly)."""
     index = next(_next_index)
     _PACKED[index] = weakref.ref(module, lambda _, i=index: _PACKED.pop(i, None))
     return index
 
 
-def registered(index: int) -> Any:
+def _registered(index: int) -> torch.nn.Linear:
     module = _PACKED[index]()
-    assert module is not None, "a packed layer was used after its model was freed"
+    assert module is not None, "a packed linear layer was used after its model was freed"
     return module
 
 
 def _onednn_matmul(x: torch.Tensor, index: int) -> torch.Tensor:
-    module = registered(index)
+    module = _registered(index)
     return torch.ops.mkldnn._linear_pointwise(x, module.packed_weight, module.bias, "none", [], "")  # [M, N]
 
 
@@ -75,7 +74,7 @@ def packed_linear_op(x: torch.Tensor, index: int) -> torch.Tensor:
 
 @packed_linear_op.register_fake
 def _packed_linear_fake(x: torch.Tensor, index: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], registered(index).out_features)
+    return x.new_empty(x.shape[0], _registered(index).out_features)
 
 
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -137,7 +136,7 @@ def prepack_linears(model: torch.nn.Module) -> int:
     panels = ops is not None and _wants_panels(linears[0].weight.dtype)
     for module in linears:
         w = module.weight.detach()  # [N, K]
-        index = register(module)
+        index = _register(module)
         module.panel_weight = panel_layout(w) if panels else None
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_M)
         module.packed_index = index

@@ -18,6 +18,7 @@ _KINDS = {
     "monitor": "bench.monitor_overhead",
     "latency": "bench.latency",
     "roofline": "bench.roofline",
+    "gpu": "bench.gpu",
     "soak": "bench.soak",
     "prefill-memory": "bench.prefill_memory",
 }
@@ -28,7 +29,7 @@ _EXTRA = {"httpx", "matplotlib"}
 def register(sub) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks: offline, kv, serve, sweep, monitor, latency, roofline, soak, prefill-memory",
+        help="benchmarks: offline, kv, serve, sweep, monitor, latency, roofline, gpu, soak, prefill-memory",
     )
     kinds = p.add_subparsers(dest="bench_kind", metavar="KIND")
     for kind, module in _KINDS.items():

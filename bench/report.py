@@ -27,13 +27,23 @@ def command_line() -> str:
 
 
 def write_report(
-    out: str | Path, title: str, result: dict, table: list[tuple[str, ...]] | None = None
+    out: str | Path,
+    title: str,
+    result: dict,
+    table: list[tuple[str, ...]] | None = None,
+    command: str | None = None,
 ) -> Path:
-    """Write ``<out>.json`` and ``<out>.md`` (``out`` without extension); returns the JSON path."""
+    """Write ``<out>.json`` and ``<out>.md`` (``out`` without extension); returns the JSON path. ``command``: how
+    the run was started, when not through ``bucketserve``."""
     base = Path(out)
     base = base.with_suffix("") if base.suffix in (".json", ".md") else base
     base.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"title": title, "command": command_line(), "environment": environment(), "result": result}
+    doc = {
+        "title": title,
+        "command": command or command_line(),
+        "environment": environment(),
+        "result": result,
+    }
     base.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
     lines = [f"# {title}", "", f"Command: `{doc['command']}`", ""]
     if table:
@@ -47,3 +57,29 @@ def write_report(
     )
     base.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return base.with_suffix(".json")
+
+
+def publish(
+    out: str | Path,
+    title: str,
+    result: dict,
+    table: list[tuple[str, ...]],
+    header: str,
+    as_json: bool,
+    command: str | None = None,
+) -> Path:
+    """Write the report, then print ``header``, the table (columns aligned), the report's path and, with
+    ``as_json``, the result as the last line."""
+    path = write_report(out, title, result, table, command)
+    print(header)
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        cells = [
+            str(c).ljust(w) if i == 0 else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        print("  ".join(cells))
+    print(f"report: {path}")
+    if as_json:
+        print(json.dumps(result))
+    return path

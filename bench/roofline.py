@@ -18,7 +18,6 @@ one after the other, though: the weight GEMMs (compute-bound from a few dozen ro
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import time
@@ -220,7 +219,7 @@ def _row(step: str, times: list[float], bound_s: float, bound: str, **figures: f
 def run(args: argparse.Namespace) -> None:
     import torch
 
-    from bench.report import write_report
+    from bench.report import publish
     from engine.config import config_from_args
     from engine.llm_engine import LLMEngine
 
@@ -308,13 +307,12 @@ def run(args: argparse.Namespace) -> None:
         )
         for r in rows
     ]
-    path = write_report(args.out, "Roofline: engine steps against this machine's bounds", result, table)
-    print(
+    publish(
+        args.out,
+        "Roofline: engine steps against this machine's bounds",
+        result,
+        table,
         f"machine: copy {bw / 1e9:.1f} GB/s, GEMM {rate / 1e9:.0f} GFLOP/s ({machine['gemm_source']}) "
-        f"({result['dtype']}, {result['threads']} threads)"
+        f"({result['dtype']}, {result['threads']} threads)",
+        args.json,
     )
-    for row in table:
-        print(f"{row[0]:<24} {row[1]:>12} {row[2]:>7} {row[3]:>9} {row[4]:>17} {row[5]:>10} {row[6]:>18}")
-    print(f"report: {path}")
-    if args.json:
-        print(json.dumps(result))

@@ -11,6 +11,7 @@ samples nothing).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +46,18 @@ def compile_flat_forward(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor
 
 
 StepItem = tuple[Request, int]  # a request and how many of its tokens this step computes
+GraphKey = tuple[int, int]  # (padded decode batch, padded block-table width)
+
+
+def graph_ladder(limit: int, smallest: int = 1) -> list[int]:
+    """Powers of two from ``smallest`` up to ``limit``, and ``limit`` itself: the padded sizes that decode graphs
+    are captured at (a step pads up to the next one, wasting less than half)."""
+    sizes = []
+    n = smallest
+    while n < limit:
+        sizes.append(n)
+        n *= 2
+    return [*sizes, limit]
 
 
 @dataclass
@@ -68,7 +81,11 @@ class FlatRunner:
         attend: AttendFn,
         max_tokens: int,
         compile_cpu: bool = False,
+        graph_batches: Sequence[int] = (),
+        graph_widths: Sequence[int] = (),
     ) -> None:
+        """``graph_batches`` x ``graph_widths``: the padded (decode batch, block-table width) shapes whose decode
+        steps are captured as graphs at warm-up, where the device captures flat decode steps (CUDA)."""
         self.model = model
         self.kv = kv_cache
         self.device = device
@@ -86,6 +103,10 @@ class FlatRunner:
             self._compiled = compile_flat_forward(self._eager_forward)
             self._forward_hidden = self._compiled_forward
             self.min_tokens = 2
+        self._graph_shapes: list[GraphKey] = []
+        if device.flat_decode_graphs:
+            self._graph_shapes = sorted((b, w) for b in graph_batches for w in graph_widths)
+        self._graphs: dict[GraphKey, tuple[dict[str, torch.Tensor], Callable[[], torch.Tensor]]] = {}
 
     @property
     def runtime_compilations(self) -> int:
@@ -169,6 +190,10 @@ class FlatRunner:
     def run(
         self, items: Sequence[StepItem], on_layer_written: Callable[[int], None] | None = None
     ) -> tuple[torch.Tensor, list[Request]]:
+        if self._graphs and on_layer_written is None:
+            key = self._graph_key(items)
+            if key is not None:
+                return self._replay(key, items), [r for r, _ in items]
         batch = self.prepare(items)
         batch.ctx.on_layer_written = on_layer_written
         return self.execute(batch), batch.sampled
@@ -183,6 +208,81 @@ class FlatRunner:
     def decode(self, reqs: Sequence[Request]) -> torch.Tensor:
         logits, _ = self.run([(r, 1) for r in reqs])
         return logits
+
+    # ------------------------------------------------------------------ decode graphs
+    def _graph_key(self, items: Sequence[StepItem]) -> GraphKey | None:
+        """The smallest captured shape that holds this step, if it is decodes only (each request computes its
+        last token); None runs it eagerly."""
+        width = 0
+        for r, n in items:
+            if n != 1 or r.num_computed_tokens + 1 != r.num_tokens:
+                return None
+            width = max(width, -(-r.num_tokens // self.block_size))
+        b = len(items)
+        return next(((gb, gw) for gb, gw in self._graphs if gb >= b and gw >= width), None)
+
+    def _graph_inputs(self, items: Sequence[StepItem], key: GraphKey) -> list[int]:
+        """A decode step's inputs as one int64 row (one host-to-device copy): token ids, positions, cache slots
+        and sequence lengths ``[Bp]`` each, then the block table ``[Bp, Wp]``. Padding rows are one-token
+        sequences in the null block; with no items, every row is padding (the captured values)."""
+        bp, wp = key
+        bs, null = self.block_size, self.kv.null_block
+        pad = bp - len(items)
+        ids, positions, slots, lens, table = [], [], [], [], []
+        for r, _ in items:
+            c = r.num_computed_tokens
+            n = c // bs + 1  # blocks holding positions 0..c
+            ids.append(r.all_token_ids[c])
+            positions.append(c)
+            slots.append(r.block_ids[c // bs] * bs + c % bs)
+            lens.append(c + 1)
+            table += r.block_ids[:n]
+            table += [null] * (wp - n)
+        return (
+            (ids + [0] * pad + positions + [0] * pad + slots + [null * bs] * pad + lens + [1] * pad)
+            + table
+            + [null] * (pad * wp)
+        )
+
+    def _graph_body(self, key: GraphKey, packed: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+        # packed [4 * Bp + Bp * Wp] int64 (see _graph_inputs); query_start_loc [Bp + 1] int32, constant
+        bp, wp = key
+        ctx = ForwardContext(
+            kv_data=self.kv.data,
+            slot_mapping=packed[2 * bp : 3 * bp],
+            block_table=packed[4 * bp :].view(bp, wp).to(torch.int32),
+            seq_lens=packed[3 * bp : 4 * bp].to(torch.int32),
+            query_start_loc=query_start_loc,
+            attend=self.attend,
+        )
+        with forward_context(ctx):
+            hidden = self._eager_forward(packed[:bp], packed[bp : 2 * bp])  # [Bp, hidden]
+        return self.model.lm_head(hidden).float()  # [Bp, vocab]
+
+    @torch.inference_mode()
+    def _replay(self, key: GraphKey, items: Sequence[StepItem]) -> torch.Tensor:
+        static, replay = self._graphs[key]
+        static["packed"].copy_(torch.tensor(self._graph_inputs(items, key), dtype=torch.long))
+        return replay()[: len(items)]  # [B, vocab]
+
+    @torch.inference_mode()
+    def _capture_decode_graphs(self, budget: int | None) -> int:
+        # Smallest first: small batches are the latency-critical ones, so they get graphs first.
+        start_free = self.device.mem_get_info()[0]
+        dev = self.kv.device
+        for key in self._graph_shapes:
+            if budget is not None and start_free - self.device.mem_get_info()[0] > budget:
+                logger.info("graph memory budget reached; larger decode steps run eagerly")
+                break
+            static = {
+                "packed": torch.tensor(self._graph_inputs([], key), dtype=torch.long, device=dev),
+                "query_start_loc": torch.arange(key[0] + 1, dtype=torch.int32, device=dev),
+            }
+            replay = self.device.capture_graph(functools.partial(self._graph_body, key), static)
+            if replay is None:
+                break
+            self._graphs[key] = (static, replay)
+        return len(self._graphs)
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self, graph_memory_budget: int | None = None) -> dict[str, float]:
@@ -211,7 +311,14 @@ class FlatRunner:
         self.device.synchronize()
         if self._compiled is not None:
             self._graphs_at_warmup = compiled_graphs()
+        captured = self._capture_decode_graphs(graph_memory_budget) if self._graph_shapes else 0
+        self.device.synchronize()
         self.warmed_up = True
         took = time.perf_counter() - t0
-        logger.info("warm-up done (flat tokens): one step of %d tokens, %.1f s", t, took)
-        return {"seconds": took, "buckets": 0, "graphs": 0}
+        logger.info(
+            "warm-up done (flat tokens): one step of %d tokens, %d decode graphs captured, %.1f s",
+            t,
+            captured,
+            took,
+        )
+        return {"seconds": took, "buckets": 0, "graphs": captured}

@@ -21,7 +21,7 @@ from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig, resolve_engine_config
 from engine.device import get_device
 from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION
-from engine.flat_runner import FlatRunner
+from engine.flat_runner import FlatRunner, graph_ladder
 from engine.fused_mlp import fuse_gated_mlps
 from engine.fused_norm import fuse_rms_norms
 from engine.kv_cache import KVCache
@@ -85,6 +85,9 @@ class LLMEngine:
                 self.device.paged_attention(),
                 sched.max_num_batched_tokens,
                 compile_cpu=cfg.compile,
+                # Decode graphs (where the device captures them) up to 256 sequences and the longest context.
+                graph_batches=graph_ladder(min(sched.max_num_seqs, 256)),
+                graph_widths=self.device.decode_graph_widths(min_blocks),
             )
             self._step = self._step_flat
         else:

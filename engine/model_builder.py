@@ -48,6 +48,10 @@ class BuiltinModelSpec:
     vocab_size: int = 4096
     max_position_embeddings: int = 4096
     seed: int = 0
+    # Rows of the embedding and the LM head, where a real model's shape has more than our tokenizer's vocabulary
+    # (the extra ids are never produced by the tokenizer); 0: the tokenizer's.
+    model_vocab_size: int = 0
+    dtype: str = "float32"  # of the saved weights
 
 
 BUILTIN_MODELS: dict[str, BuiltinModelSpec] = {
@@ -55,6 +59,11 @@ BUILTIN_MODELS: dict[str, BuiltinModelSpec] = {
     "tiny": BuiltinModelSpec("tiny", 256, 688, 4, 4, 2),
     # ~28M parameters: the benchmark model.
     "small": BuiltinModelSpec("small", 512, 1408, 8, 8, 4),
+    # Llama 3 8B's shapes (hidden 4096, MLP 14336, 32 heads over 8 KV heads, 128256-row embedding and head) with
+    # 8 of its 32 layers, bf16: 2.8B parameters, 5.6 GB. The accelerator benchmark's model.
+    "llama3-8b-l8": BuiltinModelSpec(
+        "llama3-8b-l8", 4096, 14336, 8, 32, 8, 4096, 8192, 0, model_vocab_size=128256, dtype="bfloat16"
+    ),
 }
 ALIASES = {"default": "tiny"}
 
@@ -121,7 +130,7 @@ def build_model(spec: BuiltinModelSpec, out_dir: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_tokenizer(spec.vocab_size)
-    vocab = len(tokenizer)
+    vocab = max(len(tokenizer), spec.model_vocab_size)
     config = LlamaConfig(
         vocab_size=vocab,
         hidden_size=spec.hidden_size,
@@ -135,10 +144,15 @@ def build_model(spec: BuiltinModelSpec, out_dir: Path) -> None:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+        torch_dtype=spec.dtype,
     )
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config)
+    # Built on the meta device and allocated once in the saved dtype: transformers' own initialisation would
+    # fill every tensor a first time in fp32 (minutes and twice the memory for a multi-billion-parameter shape),
+    # and every parameter is overwritten by ours anyway.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(getattr(torch, spec.dtype)).to_empty(device="cpu")
     _init_weights(model, spec.seed, std=0.02)
     model.generation_config.do_sample = False
     model.save_pretrained(out_dir)

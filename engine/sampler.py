@@ -49,7 +49,7 @@ class Sampler:
         logprobs = None
         if want_logprobs:
             lp = torch.log_softmax(logits, dim=-1)  # [N, vocab]
-            logprobs = lp.gather(1, torch.tensor(tokens).view(-1, 1)).view(-1).tolist()
+            logprobs = lp.gather(1, torch.tensor(tokens, device=lp.device).view(-1, 1)).view(-1).tolist()
         return tokens, logprobs
 
     def _sample_one(self, logits: torch.Tensor, req: Request) -> int:

@@ -13,6 +13,7 @@ import torch
 
 from engine import kernels
 from engine.kernels import build
+from engine.kernels.paged_attention_gather import paged_attention_gather
 from engine.kernels.paged_attention_ref import paged_attention_ref
 
 H, D = 8, 64
@@ -99,11 +100,15 @@ def kernel():
     return op
 
 
-IMPLS = ["kernel", "fallback"]
+# fallback: the pure-torch CPU operator; gather: the accelerators' operator (graph-safe on decode steps), run here
+# on the CPU, where its arithmetic is the same.
+IMPLS = ["kernel", "fallback", "gather"]
 
 
 def _impl(name: str, request: pytest.FixtureRequest):
-    return request.getfixturevalue("kernel") if name == "kernel" else paged_attention_ref
+    if name == "kernel":
+        return request.getfixturevalue("kernel")
+    return paged_attention_gather if name == "gather" else paged_attention_ref
 
 
 def _run(fn, c: Case) -> torch.Tensor:

@@ -22,6 +22,9 @@ class Device(abc.ABC):
     # torch.distributed backend for KV transfer between workers on this hardware.
     dist_backend: ClassVar[str]
     supports_graphs: ClassVar[bool] = False
+    # Whether the flat runner captures its decode steps as graphs: the device has graphs and its paged-attention
+    # operator never synchronises with the host on a decode step.
+    flat_decode_graphs: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
@@ -62,6 +65,12 @@ class Device(abc.ABC):
         from engine.kernels import paged_attention_ref
 
         return paged_attention_ref
+
+    def decode_graph_widths(self, max_blocks: int) -> list[int]:
+        """Block-table widths the flat runner captures decode graphs at (with ``flat_decode_graphs``), for
+        sequences of up to ``max_blocks`` blocks: one width where the operator reads only the blocks each
+        sequence has; several where its cost grows with the width it is given."""
+        return [max_blocks]
 
     def describe(self) -> str:
         free, total = self.mem_get_info()

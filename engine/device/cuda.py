@@ -2,19 +2,36 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine.device.base import Device, GraphFn
+from engine.kernels.paged_attention_gather import paged_attention_gather
+
+logger = logging.getLogger(__name__)
+
+
+def _triton_operator():
+    """The Triton-backed operator, or None where Triton is not installed."""
+    try:
+        from engine.kernels.paged_attention_cuda import paged_attention_cuda
+    except ImportError as e:
+        logger.warning("Triton unavailable (%s): decode attention gathers each sequence's blocks", e)
+        return None
+    return paged_attention_cuda
 
 
 class CudaDevice(Device):
     name = "cuda"
     dist_backend = "nccl"
     supports_graphs = True
+    flat_decode_graphs = True
 
     def __init__(self, index: int = 0) -> None:
         self._device = torch.device("cuda", index)
         self._pool = None  # one memory pool shared by every captured graph
+        self._operator = _triton_operator()
 
     @classmethod
     def is_available(cls) -> bool:
@@ -35,6 +52,19 @@ class CudaDevice(Device):
 
     def peak_memory(self) -> int:
         return torch.cuda.max_memory_allocated(self._device)
+
+    def paged_attention(self):
+        # Decode steps never read back to the host, so they can be captured as graphs.
+        return self._operator or paged_attention_gather
+
+    def decode_graph_widths(self, max_blocks: int) -> list[int]:
+        if self._operator is not None:
+            # The kernel reads only each sequence's own blocks, whatever the table's width.
+            return [max_blocks]
+        from engine.flat_runner import graph_ladder
+
+        # The gather copies every block the table names: widths in powers of two waste at most half.
+        return graph_ladder(max_blocks, smallest=min(4, max_blocks))
 
     def capture_graph(self, fn: GraphFn, static_inputs: dict[str, torch.Tensor]) -> GraphFn | None:
         # Warm the kernels once on a side stream, as capture requires, then capture.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from engine.kernels.paged_attention_gather import paged_attention_gather
 from engine.kernels.paged_attention_ref import paged_attention_ref
 
 PagedAttentionFn = Callable[..., None]
@@ -20,4 +21,4 @@ def cpu_paged_attention() -> PagedAttentionFn:
     return load() or paged_attention_ref
 
 
-__all__ = ["PagedAttentionFn", "cpu_paged_attention", "paged_attention_ref"]
+__all__ = ["PagedAttentionFn", "cpu_paged_attention", "paged_attention_gather", "paged_attention_ref"]

@@ -36,7 +36,7 @@ def paged_attention_ref(
         ki = k.transpose(0, 1).unsqueeze(0).float()  # [1, KVH, S, D]
         vi = v.transpose(0, 1).unsqueeze(0).float()
         # Query j sits at position seq_len - q_len + j and sees cache positions <= it.
-        qpos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)  # [Q, 1]
-        mask = torch.arange(seq_len).unsqueeze(0) <= qpos  # [Q, S]
+        qpos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)  # [Q, 1]
+        mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= qpos  # [Q, S]
         o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)  # [Q, H, D]

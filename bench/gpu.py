@@ -1,0 +1,283 @@
+"""``bucketserve bench gpu``: the engine alone on one accelerator, against the device's bounds and against Hugging Face.
+
+In one process, on one device:
+
+1. the device's copy bandwidth (bytes read + written per second, a 2 GiB copy) and its matmul rate (an
+   8192^3 product in the model's dtype);
+2. the engine's prefill steps (1x1024, 8x256 by default) against their FLOPs at that matmul rate, and its decode
+   steps (batch 1, 8, 32, 64 at context 512) against their bytes at that bandwidth, as ``bench roofline``
+   computes them (every weight read once per step, the KV of every sequence read);
+3. offline generation at batch 64 (prompts of equal length, EOS ignored) through the engine against Hugging Face
+   ``generate`` with a static cache on the same prompts and checkpoint, with how many outputs are identical.
+
+The default model is the built-in ``llama3-8b-l8`` (Llama 3 8B's shapes with 8 of its layers, random bf16 weights,
+built on first use). Ray is not needed: the engine runs in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import statistics
+import sys
+import time
+
+logger = logging.getLogger(__name__)
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "gpu", help="the engine on one accelerator: bounds and Hugging Face static-cache generate"
+    )
+    _add_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama3-8b-l8", help="built-in model name or checkpoint folder")
+    p.add_argument("--device", default="cuda", help="engine device (cuda; cpu runs the same steps slowly)")
+    p.add_argument("--dtype", default="bfloat16", help="weights and KV cache dtype")
+    p.add_argument("--prefill", default="1x1024,8x256", help="prefill shapes BATCHxTOKENS, comma-separated")
+    p.add_argument("--decode-batches", default="1,8,32,64", help="decode batch sizes, comma-separated")
+    p.add_argument("--context", type=int, default=512, help="context length of the decode steps")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls per item (median reported)")
+    p.add_argument("--offline-batch", type=int, default=64, help="prompts generated at once (0: skip)")
+    p.add_argument("--offline-prompt", type=int, default=256, help="tokens per offline prompt")
+    p.add_argument("--offline-out", type=int, default=128, help="tokens generated per offline prompt")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--json", action="store_true", help="last line: one JSON object")
+    p.add_argument("--out", default="bench/results/gpu", help="report path (without extension)")
+
+
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def measure_device(dev, dtype, repeats: int) -> dict[str, float]:
+    """Copy bandwidth and matmul rate of one device, each the median of ``repeats`` timed calls."""
+    import torch
+
+    def median_s(fn) -> float:
+        fn()
+        _sync(dev)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    src = torch.ones(2**30 // 2, dtype=torch.bfloat16, device=dev)  # 1 GiB read, 1 GiB written
+    dst = torch.empty_like(src)
+    copy_s = median_s(lambda: dst.copy_(src))
+    n = 8192 if dev.type != "cpu" else 1024
+    a = torch.randn(n, n, dtype=dtype, device=dev)
+    b = torch.randn(n, n, dtype=dtype, device=dev)
+    mm_s = median_s(lambda: a @ b)
+    return {"bandwidth_Bps": 2 * 2**30 / copy_s, "gemm_flops": 2 * n**3 / mm_s}
+
+
+def _offline_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(7)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def time_engine_offline(engine, prompts: list[list[int]], out: int) -> tuple[float, list[list[int]]]:
+    from engine.request import Request, SamplingParams
+
+    sp = SamplingParams(max_tokens=out, ignore_eos=True)
+    engine.generate([Request(f"warm-{i}", p, sp) for i, p in enumerate(prompts[:2])])  # untimed
+    reqs = [Request(f"off-{i}", p, sp) for i, p in enumerate(prompts)]
+    _sync(engine.device.torch_device)
+    t0 = time.perf_counter()
+    engine.generate(reqs)
+    took = time.perf_counter() - t0
+    engine.check_integrity()
+    return took, [r.output_token_ids for r in reqs]
+
+
+def time_hf_static(path, dev, dtype, prompts: list[list[int]], out: int) -> tuple[float, list[list[int]]]:
+    """Hugging Face ``generate``, greedy, static KV cache, all prompts in one batch (equal lengths: no padding)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(dev).eval()
+    ids = torch.tensor(prompts, device=dev)  # [B, P]
+
+    def gen():
+        with torch.inference_mode():
+            return model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=out,
+                min_new_tokens=out,
+                do_sample=False,
+                cache_implementation="static",
+                pad_token_id=0,
+            )
+
+    gen()  # untimed: the static cache's allocation and the kernels' first launch
+    _sync(dev)
+    t0 = time.perf_counter()
+    result = gen()
+    _sync(dev)
+    took = time.perf_counter() - t0
+    return took, result[:, ids.shape[1] :].tolist()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+
+    from bench.report import publish
+    from bench.roofline import ModelShape, _row, time_decode, time_prefill
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+
+    prefill = [tuple(int(x) for x in item.split("x")) for item in args.prefill.split(",") if item]
+    batches = [int(b) for b in args.decode_batches.split(",") if b]
+    budget = max([b * t for b, t in prefill] + [args.offline_prompt * 2, 8192])
+    decode_blocks = max(batches) * (-(-(args.context + args.repeats + 4) // 16) + 1)
+    offline_blocks = args.offline_batch * -(-(args.offline_prompt + args.offline_out) // 16)
+    cfg = EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        cache=CacheConfig(block_size=16, num_blocks=max(decode_blocks, offline_blocks, budget // 16) + 64),
+        scheduler=SchedulerConfig(
+            max_model_len=args.max_model_len,
+            max_num_seqs=max(batches + [args.offline_batch]),
+            max_num_prefill_seqs=min(16, max(batches + [args.offline_batch])),
+            max_num_batched_tokens=budget,
+        ),
+    )
+    t0 = time.perf_counter()
+    engine = LLMEngine(cfg)
+    start_s = time.perf_counter() - t0
+    dev = engine.device.torch_device
+    model = engine.loaded.model
+    dtype = next(model.parameters()).dtype
+    machine = measure_device(dev, dtype, args.repeats)
+    bw, rate = machine["bandwidth_Bps"], machine["gemm_flops"]
+    shape = ModelShape.of(model, torch.tensor([], dtype=dtype).element_size())
+    rows = []
+    for b, t in prefill:
+        flops = shape.prefill_flops(b, t)
+        times = time_prefill(engine, b, t, args.repeats)
+        rows.append(_row(f"prefill {b}x{t}", times, flops / rate, "gemm", flops=flops))
+    for b in batches:
+        flops, nbytes = shape.decode_flops(b, args.context), shape.decode_bytes(b, args.context)
+        mem_s, gemm_s = nbytes / bw, flops / rate
+        times = time_decode(engine, b, args.context, args.repeats)
+        row = _row(
+            f"decode batch {b} @ {args.context}",
+            times,
+            max(mem_s, gemm_s),
+            "memory" if mem_s >= gemm_s else "gemm",
+            flops=flops,
+            bytes=nbytes,
+        )
+        rows.append({**row, "achieved_GBps": nbytes / statistics.median(times) / 1e9})
+    offline = None
+    if args.offline_batch:
+        vocab = len(engine.tokenizer)
+        prompts = _offline_prompts(args.offline_batch, args.offline_prompt, vocab)
+        ours_s, ours = time_engine_offline(engine, prompts, args.offline_out)
+        path = engine.loaded.path
+        del engine, model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        hf_s, theirs = time_hf_static(path, dev, dtype, prompts, args.offline_out)
+        generated = args.offline_batch * args.offline_out
+        prefixes = [_common_prefix(a, b) for a, b in zip(ours, theirs, strict=True)]
+        offline = {
+            "batch": args.offline_batch,
+            "prompt_tokens": args.offline_prompt,
+            "output_tokens": args.offline_out,
+            "ours_s": ours_s,
+            "hf_static_s": hf_s,
+            "ours_tok_s": generated / ours_s,
+            "hf_static_tok_s": generated / hf_s,
+            "speedup": hf_s / ours_s,
+            "identical_outputs": sum(p == args.offline_out for p in prefixes),
+            "mean_common_prefix": statistics.mean(prefixes),
+        }
+    result = {
+        "model": args.model,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "engine_start_s": start_s,
+        "bandwidth_GBps": bw / 1e9,
+        "gemm_TFLOPs": rate / 1e12,
+        "rows": rows,
+        "offline": offline,
+    }
+    table = [("step", "measured ms", "bound", "bound ms", "measured / bound", "achieved")]
+    for r in rows:
+        achieved = (
+            f"{r['achieved_gflops'] / 1e3:.0f} TFLOP/s"
+            if r["bound"] == "gemm"
+            else f"{r['achieved_GBps']:.0f} GB/s"
+        )
+        table.append(
+            (
+                r["step"],
+                f"{r['measured_ms']:.2f}",
+                r["bound"],
+                f"{r['bound_ms']:.3f}",
+                f"{r['ratio']:.2f}",
+                achieved,
+            )
+        )
+    if offline:
+        table.append(
+            (
+                f"offline batch {offline['batch']}",
+                f"{offline['ours_tok_s']:.0f} tok/s",
+                "HF static",
+                f"{offline['hf_static_tok_s']:.0f} tok/s",
+                f"{offline['speedup']:.2f}x",
+                f"{offline['identical_outputs']}/{offline['batch']} identical",
+            )
+        )
+    publish(
+        args.out,
+        "The engine on one accelerator: bounds and Hugging Face",
+        result,
+        table,
+        f"device: {result['device']}, copy {bw / 1e9:.0f} GB/s, matmul {rate / 1e12:.0f} TFLOP/s "
+        f"({result['dtype']}); engine started in {start_s:.1f} s",
+        args.json,
+        getattr(args, "command", None),
+    )
+
+
+def main() -> None:
+    """``python -m bench.gpu``: the same benchmark without the product's command line (a GPU host may lack Ray)."""
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
+    _add_args(parser)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args()
+    args.command = "python -m bench.gpu " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

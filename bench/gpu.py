@@ -46,6 +46,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offline-prompt", type=int, default=256, help="tokens per offline prompt")
     p.add_argument("--offline-out", type=int, default=128, help="tokens generated per offline prompt")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument(
+        "--compile", action="store_true", help="torch.compile the engine's forward (graphs still captured)"
+    )
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
     p.add_argument("--out", default="bench/results/gpu", help="report path (without extension)")
 
@@ -158,6 +161,7 @@ def run(args: argparse.Namespace) -> None:
         model=args.model,
         device=args.device,
         dtype=args.dtype,
+        compile=args.compile,
         cache=CacheConfig(block_size=16, num_blocks=max(decode_blocks, offline_blocks, budget // 16) + 64),
         scheduler=SchedulerConfig(
             max_model_len=args.max_model_len,
@@ -221,6 +225,7 @@ def run(args: argparse.Namespace) -> None:
         "model": args.model,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
         "dtype": str(dtype).removeprefix("torch."),
+        "compiled": args.compile,
         "torch": torch.__version__,
         "engine_start_s": start_s,
         "bandwidth_GBps": bw / 1e9,

@@ -34,15 +34,17 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def compile_flat_forward(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-    """``torch.compile`` for CPU flat steps: weights frozen into the graph (prepacked oneDNN linears), and the
-    inductor cache under ``$BUCKETSERVE_CACHE`` so a later start reuses the generated code."""
+def compile_flat_forward(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device_type: str):
+    """``torch.compile`` for flat steps, with the inductor cache under ``$BUCKETSERVE_CACHE`` so a later start
+    reuses the generated code. On CPU the weights are frozen into the graph (prepacked oneDNN linears); on an
+    accelerator the gain is the fused elementwise work (norms, rotary, activations) between the GEMMs."""
     import os
 
     from engine.model_builder import cache_root
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
-    return torch.compile(fn, dynamic=False, options={"freezing": True})
+    options = {"freezing": True} if device_type == "cpu" else {}
+    return torch.compile(fn, dynamic=False, options=options)
 
 
 StepItem = tuple[Request, int]  # a request and how many of its tokens this step computes
@@ -80,7 +82,7 @@ class FlatRunner:
         device: Device,
         attend: AttendFn,
         max_tokens: int,
-        compile_cpu: bool = False,
+        compile_forward: bool = False,
         graph_batches: Sequence[int] = (),
         graph_widths: Sequence[int] = (),
     ) -> None:
@@ -99,14 +101,17 @@ class FlatRunner:
         self.min_tokens = 1
         self._compiled = None
         self._graphs_at_warmup = 0
-        if compile_cpu and device.name == "cpu":
-            self._compiled = compile_flat_forward(self._eager_forward)
+        if compile_forward and device.name in ("cpu", "cuda"):
+            self._compiled = compile_flat_forward(self._eager_forward, device.name)
             self._forward_hidden = self._compiled_forward
             self.min_tokens = 2
         self._graph_shapes: list[GraphKey] = []
         if device.flat_decode_graphs:
-            self._graph_shapes = sorted((b, w) for b in graph_batches for w in graph_widths)
+            # A compiled forward takes at least min_tokens rows: smaller batches pad up to it.
+            batches = sorted({max(b, self.min_tokens) for b in graph_batches})
+            self._graph_shapes = sorted((b, w) for b in batches for w in graph_widths)
         self._graphs: dict[GraphKey, tuple[dict[str, torch.Tensor], Callable[[], torch.Tensor]]] = {}
+        self._host_inputs: dict[GraphKey, torch.Tensor] = {}  # per graph: its inputs' host buffer (pinned)
 
     @property
     def runtime_compilations(self) -> int:
@@ -221,28 +226,36 @@ class FlatRunner:
         b = len(items)
         return next(((gb, gw) for gb, gw in self._graphs if gb >= b and gw >= width), None)
 
-    def _graph_inputs(self, items: Sequence[StepItem], key: GraphKey) -> list[int]:
-        """A decode step's inputs as one int64 row (one host-to-device copy): token ids, positions, cache slots
-        and sequence lengths ``[Bp]`` each, then the block table ``[Bp, Wp]``. Padding rows are one-token
-        sequences in the null block; with no items, every row is padding (the captured values)."""
+    def _graph_inputs(self, items: Sequence[StepItem], key: GraphKey) -> torch.Tensor:
+        """A decode step's inputs as one int64 row in a host buffer of its own, for one host-to-device copy:
+        token ids, positions, cache slots and sequence lengths ``[Bp]`` each, then the block table
+        ``[Bp, Wp]``. Padding rows are one-token sequences in the null block. Table entries past a sequence's
+        last block keep whatever ids they held (every id is a real block, and the operator reads only the blocks
+        under ``seq_len``), so only the used entries are written: numpy row copies, a few microseconds each."""
         bp, wp = key
         bs, null = self.block_size, self.kv.null_block
+        host = self._host_inputs.get(key)
+        if host is None:
+            pinned = self.kv.device.type == "cuda"
+            host = torch.full((4 * bp + bp * wp,), null, dtype=torch.long, pin_memory=pinned)
+            self._host_inputs[key] = host
+        flat = host.numpy()
+        table = flat[4 * bp :].reshape(bp, wp)
         pad = bp - len(items)
-        ids, positions, slots, lens, table = [], [], [], [], []
-        for r, _ in items:
+        ids, positions, slots, lens = [], [], [], []
+        for i, (r, _) in enumerate(items):
             c = r.num_computed_tokens
             n = c // bs + 1  # blocks holding positions 0..c
             ids.append(r.all_token_ids[c])
             positions.append(c)
             slots.append(r.block_ids[c // bs] * bs + c % bs)
             lens.append(c + 1)
-            table += r.block_ids[:n]
-            table += [null] * (wp - n)
-        return (
-            (ids + [0] * pad + positions + [0] * pad + slots + [null * bs] * pad + lens + [1] * pad)
-            + table
-            + [null] * (pad * wp)
+            table[i, :n] = r.block_ids[:n]
+        flat[: 4 * bp] = (
+            ids + [0] * pad + positions + [0] * pad + slots + [null * bs] * pad + lens + [1] * pad
         )
+        table[len(items) :, 0] = null
+        return host
 
     def _graph_body(self, key: GraphKey, packed: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
         # packed [4 * Bp + Bp * Wp] int64 (see _graph_inputs); query_start_loc [Bp + 1] int32, constant
@@ -256,13 +269,13 @@ class FlatRunner:
             attend=self.attend,
         )
         with forward_context(ctx):
-            hidden = self._eager_forward(packed[:bp], packed[bp : 2 * bp])  # [Bp, hidden]
+            hidden = self._forward_hidden(packed[:bp], packed[bp : 2 * bp])  # [Bp, hidden]
         return self.model.lm_head(hidden).float()  # [Bp, vocab]
 
     @torch.inference_mode()
     def _replay(self, key: GraphKey, items: Sequence[StepItem]) -> torch.Tensor:
         static, replay = self._graphs[key]
-        static["packed"].copy_(torch.tensor(self._graph_inputs(items, key), dtype=torch.long))
+        static["packed"].copy_(self._graph_inputs(items, key))
         return replay()[: len(items)]  # [B, vocab]
 
     @torch.inference_mode()
@@ -274,10 +287,12 @@ class FlatRunner:
             if budget is not None and start_free - self.device.mem_get_info()[0] > budget:
                 logger.info("graph memory budget reached; larger decode steps run eagerly")
                 break
-            static = {
-                "packed": torch.tensor(self._graph_inputs([], key), dtype=torch.long, device=dev),
-                "query_start_loc": torch.arange(key[0] + 1, dtype=torch.int32, device=dev),
-            }
+            # Normal tensors, as the eager steps' inputs are: a compiled forward guards on the difference.
+            with torch.inference_mode(False):
+                static = {
+                    "packed": self._graph_inputs([], key).to(dev, copy=True),
+                    "query_start_loc": torch.arange(key[0] + 1, dtype=torch.int32, device=dev),
+                }
             replay = self.device.capture_graph(functools.partial(self._graph_body, key), static)
             if replay is None:
                 break
@@ -309,10 +324,10 @@ class FlatRunner:
         )
         self.execute(batch)
         self.device.synchronize()
-        if self._compiled is not None:
-            self._graphs_at_warmup = compiled_graphs()
         captured = self._capture_decode_graphs(graph_memory_budget) if self._graph_shapes else 0
         self.device.synchronize()
+        if self._compiled is not None:  # the graphs above may compile too (their inputs are views)
+            self._graphs_at_warmup = compiled_graphs()
         self.warmed_up = True
         took = time.perf_counter() - t0
         logger.info(

@@ -84,7 +84,7 @@ class LLMEngine:
                 self.device,
                 self.device.paged_attention(),
                 sched.max_num_batched_tokens,
-                compile_cpu=cfg.compile,
+                compile_forward=cfg.compile,
                 # Decode graphs (where the device captures them) up to 256 sequences and the longest context.
                 graph_batches=graph_ladder(min(sched.max_num_seqs, 256)),
                 graph_widths=self.device.decode_graph_widths(min_blocks),

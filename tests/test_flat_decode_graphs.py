@@ -47,7 +47,7 @@ def test_graph_ladder() -> None:
     assert graph_ladder(3, smallest=4) == [3]
 
 
-def _engine_with_graphs(batches, widths) -> tuple[LLMEngine, object]:
+def _engine_with_graphs(batches, widths, compiled: bool = False) -> tuple[LLMEngine, object]:
     engine = LLMEngine(small_config(shape_policy="flat"))
     if TEST_DEVICE == "cpu":
         device, attend = ReplayingCpu(), paged_attention_gather
@@ -59,6 +59,7 @@ def _engine_with_graphs(batches, widths) -> tuple[LLMEngine, object]:
         device,
         attend,
         engine.config.scheduler.max_num_batched_tokens,
+        compile_forward=compiled,
         graph_batches=batches,
         graph_widths=widths,
     )
@@ -83,6 +84,18 @@ def test_decode_steps_replay_padded_graphs_and_match_hf(hf_reference) -> None:
     ref = hf_reference(engine.loaded.path)
     for r, p in zip(reqs, prompts, strict=True):
         assert r.output_token_ids == ref.greedy(p, 40, ignore_eos=True), r.request_id
+    engine.check_integrity()
+
+
+def test_compiled_forward_pads_single_decodes_to_two_rows(hf_reference) -> None:
+    # A compiled forward takes at least 2 rows: the batch-1 graph becomes a batch-2 graph, one row padding.
+    engine, device = _engine_with_graphs([1, 2], [4], compiled=True)
+    assert sorted(engine.runner._graphs) == [(2, 4)]
+    (r,) = engine.generate([Request("c", random_prompts([12], seed=6)[0], SamplingParams(max_tokens=20))])
+    assert r.output_token_ids == hf_reference(engine.loaded.path).greedy(r.prompt_token_ids, 20)
+    if isinstance(device, ReplayingCpu):
+        assert device.replays == 19
+    assert engine.runner.runtime_compilations == 0
     engine.check_integrity()
 
 

@@ -9,8 +9,10 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -41,13 +43,19 @@ def paged_attention_cuda(
 
 
 def _varlen_kwargs(scale: float) -> dict | None:
+    kw = _varlen_base_kwargs()
+    return None if kw is None else {**kw, "scale": scale}
+
+
+@functools.cache
+def _varlen_base_kwargs() -> dict | None:
     """Keyword arguments for a causal GQA call of this torch's ``varlen_attn``; None where it has none."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
-    kw: dict = {"scale": scale}
+    kw: dict = {}
     if "window_size" in params:
         kw["window_size"] = (-1, 0)  # causal, aligned to the end of the keys
     elif "is_causal" in params:
@@ -59,27 +67,58 @@ def _varlen_kwargs(scale: float) -> dict | None:
     return kw
 
 
+@dataclass
+class _PackedKeys:
+    """Where each sequence's keys are, packed back to back: computed once per step (the host reads the lengths,
+    a sync), then reused by every layer, which gets the same metadata tensors."""
+
+    block_table: torch.Tensor  # the step's tensors it was computed from (identity: same step)
+    seq_lens: torch.Tensor
+    slots: torch.Tensor  # [sum(seq_lens)] cache slot of each packed key
+    cu_k: torch.Tensor  # [B + 1] int32
+    max_q: int
+    max_k: int
+
+
+_last_packed: _PackedKeys | None = None
+
+
+def _packed_keys(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, bs: int):
+    global _last_packed
+    last = _last_packed
+    if last is not None and last.block_table is block_table and last.seq_lens is seq_lens:
+        return last
+    b = seq_lens.shape[0]
+    host = torch.cat([seq_lens, query_start_loc]).tolist()  # one read-back for the step
+    lens, starts = host[:b], host[b:]
+    max_k = max(lens)
+    pos = torch.arange(max_k, device=seq_lens.device)  # [S]
+    slots = block_table.long()[:, pos // bs] * bs + pos % bs  # [B, S]
+    cu_k = torch.zeros(b + 1, dtype=torch.int32, device=seq_lens.device)
+    cu_k[1:] = seq_lens.cumsum(0)
+    _last_packed = _PackedKeys(
+        block_table=block_table,
+        seq_lens=seq_lens,
+        slots=slots[pos[None, :] < seq_lens[:, None]],  # [sum(lens)]
+        cu_k=cu_k,
+        max_q=max(q1 - q0 for q0, q1 in zip(starts[:-1], starts[1:], strict=True)),
+        max_k=max_k,
+    )
+    return _last_packed
+
+
 def varlen_prefill(out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale) -> None:
     from torch.nn.attention.varlen import varlen_attn
 
     bs, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    lens = seq_lens.tolist()
-    starts = query_start_loc.tolist()
-    max_k = max(lens)
-    max_q = max(b - a for a, b in zip(starts[:-1], starts[1:], strict=True))
-    # Every sequence's cache slots 0..len-1, packed back to back: [sum(lens)]
-    pos = torch.arange(max_k, device=q.device)  # [S]
-    slots = block_table.long()[:, pos // bs] * bs + pos % bs  # [B, S]
-    slots = slots[pos[None, :] < seq_lens[:, None]]  # [sum(lens)]
-    k = k_cache.view(-1, kvh, d).index_select(0, slots)  # [sum(lens), KVH, D]
-    v = v_cache.view(-1, kvh, d).index_select(0, slots)
-    cu_k = torch.zeros(len(lens) + 1, dtype=torch.int32, device=q.device)
-    cu_k[1:] = seq_lens.cumsum(0)
+    meta = _packed_keys(block_table, seq_lens, query_start_loc, bs)
+    k = k_cache.view(-1, kvh, d).index_select(0, meta.slots)  # [sum(lens), KVH, D]
+    v = v_cache.view(-1, kvh, d).index_select(0, meta.slots)
     kw = _varlen_kwargs(scale)
     if "enable_gqa" not in kw and q.shape[1] != kvh:
         k = k.repeat_interleave(q.shape[1] // kvh, dim=1)
         v = v.repeat_interleave(q.shape[1] // kvh, dim=1)
-    out.copy_(varlen_attn(q, k, v, query_start_loc, cu_k, max_q, max_k, **kw))
+    out.copy_(varlen_attn(q, k, v, query_start_loc, meta.cu_k, meta.max_q, meta.max_k, **kw))
 
 
 def _varlen_works(dtype: torch.dtype, device: torch.device) -> bool:

@@ -51,17 +51,6 @@ StepItem = tuple[Request, int]  # a request and how many of its tokens this step
 GraphKey = tuple[int, int]  # (padded decode batch, padded block-table width)
 
 
-def graph_ladder(limit: int, smallest: int = 1) -> list[int]:
-    """Powers of two from ``smallest`` up to ``limit``, and ``limit`` itself: the padded sizes that decode graphs
-    are captured at (a step pads up to the next one, wasting less than half)."""
-    sizes = []
-    n = smallest
-    while n < limit:
-        sizes.append(n)
-        n *= 2
-    return [*sizes, limit]
-
-
 @dataclass
 class FlatBatch:
     input_ids: torch.Tensor  # [T]

@@ -21,9 +21,10 @@ from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig, resolve_engine_config
 from engine.device import get_device
 from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION
-from engine.flat_runner import FlatRunner, graph_ladder
+from engine.flat_runner import FlatRunner
 from engine.fused_mlp import fuse_gated_mlps
 from engine.fused_norm import fuse_rms_norms
+from engine.graph_shapes import graph_ladder
 from engine.kv_cache import KVCache
 from engine.linear_prepack import can_prepack, prepack_linears
 from engine.memory import plan_kv_memory

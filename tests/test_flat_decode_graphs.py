@@ -12,7 +12,8 @@ import torch
 from engine_helpers import TEST_DEVICE, random_prompts, small_config
 
 from engine.device.cpu import CpuDevice
-from engine.flat_runner import FlatRunner, graph_ladder
+from engine.flat_runner import FlatRunner
+from engine.graph_shapes import graph_ladder
 from engine.kernels.paged_attention_gather import paged_attention_gather
 from engine.llm_engine import LLMEngine
 from engine.request import Request, SamplingParams

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from engine.device.base import Device, GraphFn
+from engine.graph_shapes import graph_ladder
 from engine.kernels.paged_attention_gather import paged_attention_gather
 
 logger = logging.getLogger(__name__)
@@ -61,8 +62,6 @@ class CudaDevice(Device):
         if self._operator is not None:
             # The kernel reads only each sequence's own blocks, whatever the table's width.
             return [max_blocks]
-        from engine.flat_runner import graph_ladder
-
         # The gather copies every block the table names: widths in powers of two waste at most half.
         return graph_ladder(max_blocks, smallest=min(4, max_blocks))
 

@@ -47,6 +47,11 @@ def compile_flat_forward(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor
     return torch.compile(fn, dynamic=False, options=options)
 
 
+# Above the skinny linear kernel's 64 rows, so both linear paths run once. The token budget's step took 2.7 s for
+# `small` (2048 tokens, most of it attention over one 2048-token sequence) and twice that with two workers
+# warming on two cores: most of a worker's start-up, for nothing an eager CPU step needs.
+CPU_EAGER_WARMUP_TOKENS = 128
+
 StepItem = tuple[Request, int]  # a request and how many of its tokens this step computes
 GraphKey = tuple[int, int]  # (padded decode batch, padded block-table width)
 
@@ -291,9 +296,13 @@ class FlatRunner:
     # ------------------------------------------------------------------ warm-up
     def warmup(self, graph_memory_budget: int | None = None) -> dict[str, float]:
         """One forward of the largest step (the token budget as one sequence, every slot and block the null
-        block): activation memory is first touched and kernels set up before the first request, not in it."""
+        block): the compiled graph is built, and on an accelerator activation memory is first reserved and the
+        libraries set up, before the first request, not in it. On the CPU without a compiled graph there is
+        nothing to build per size and host memory needs no reserving, so a short step sets the kernels up."""
         t0 = time.perf_counter()
         t = self.max_tokens
+        if self._compiled is None and self.device.name == "cpu":
+            t = min(t, CPU_EAGER_WARMUP_TOKENS)
         null = self.kv.null_block
         dev = self.kv.device
         ctx = ForwardContext(

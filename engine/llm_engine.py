@@ -30,7 +30,7 @@ from engine.linear_prepack import can_prepack, prepack_linears
 from engine.memory import plan_kv_memory
 from engine.model_loader import load_model, read_model_facts
 from engine.model_runner import ModelRunner
-from engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from engine.request import FinishReason, Request, RequestOutput, RequestRejected, RequestStatus
 from engine.sampler import Sampler
 from engine.scheduler import (
     FlatLimits,
@@ -44,10 +44,6 @@ from engine.scheduler import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-class RequestRejected(ValueError):
-    """The request can never run on this engine (too long, ...); the message names the limit."""
 
 
 class LLMEngine:

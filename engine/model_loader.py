@@ -7,12 +7,17 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from engine.attention import ATTN_IMPLEMENTATION
-from engine.kv_cache import KVCacheSpec, torch_dtype
 from engine.model_builder import builtin_name, ensure_builtin
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.kv_cache import KVCacheSpec
+
+# torch and transformers are imported by load_model only: a command line that reads a checkpoint's facts (`serve`
+# checks its flags against them before anything starts) should not spend 3 s importing them first.
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +106,8 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
 
     def kv_spec(self, block_size: int) -> KVCacheSpec:
+        from engine.kv_cache import KVCacheSpec
+
         return KVCacheSpec(block_size=block_size, **self.kv_spec_base)
 
     @property
@@ -117,6 +124,9 @@ def load_tokenizer(model: str):
 def load_model(model: str, device: torch.device, dtype: str = "float32") -> LoadedModel:
     """Load weights and tokenizer; ``dtype`` is concrete (``fit_to_model`` resolves "auto" first)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from engine.attention import ATTN_IMPLEMENTATION
+    from engine.kv_cache import torch_dtype
 
     facts = read_model_facts(model)
     path = facts.path

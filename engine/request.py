@@ -126,6 +126,10 @@ class Request:
         self.finish_time = time.monotonic()
 
 
+class RequestRejected(ValueError):
+    """The request can never run on this engine (too long, ...); the message names the limit."""
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     """What one engine step produced for one request: the new tokens since the last output."""

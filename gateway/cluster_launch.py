@@ -25,8 +25,8 @@ from bucket_manager.priority import PriorityPolicy
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
 from gateway.ray_network import local_ray_init, warn_unless_token_auth
-from kv_transfer.base import FaultInjector
 from kv_transfer.config import CLUSTER_TRANSPORTS, TransferConfig
+from kv_transfer.faults import FaultInjector
 from monitor import Monitor, MonitorConfig
 from prefill_worker.worker import PrefillWorker
 from worker.actor import EngineWorker

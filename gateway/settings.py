@@ -46,6 +46,10 @@ class GatewaySettings:
     dashboard_refresh_ms: int = 2000
     # Access-log the routes that are polled (health probes, metric scrapes, the dashboard's refresh) too.
     log_polling: bool = False
+    # The model (a built-in name or a checkpoint folder) whose tokenizer a replica loads while its backend
+    # connects to a cluster still warming up: transformers' first load imports seconds of modules, which then
+    # overlap the wait. The app still uses the tokenizer its backend names. None: no preload.
+    preload_tokenizer: str | None = None
     # (Ray namespace, actor name) of the drain signal each Ray Serve replica follows (``gateway/drain_signal.py``):
     # set by ``bucketserve serve``, which drains its replicas on SIGTERM or Ctrl-C; None: no such process.
     drain_signal: tuple[str, str] | None = None

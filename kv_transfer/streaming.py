@@ -24,9 +24,12 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from .base import KVTransport
 from .types import KVTransferError, TransferMetrics, TransferStatus
+
+if TYPE_CHECKING:  # the transports (and torch) load with the worker that opens one
+    from .base import KVTransport
 
 log = logging.getLogger(__name__)
 

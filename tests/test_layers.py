@@ -220,3 +220,18 @@ def test_nothing_reads_outside_the_repository() -> None:
     files = [*MODULES.values(), *(p for p in (ROOT / "tests").rglob("*.py") if p.resolve() != here)]
     bad = [str(p.relative_to(ROOT)) for p in files if needle in p.read_text(errors="ignore")]
     assert not bad, f"files reading outside the repository: {bad}"
+
+
+def test_worker_actor_modules_load_without_torch() -> None:
+    # Every process that receives a worker's actor handle (the controller, each gateway replica) imports the
+    # actor's class module: it must not pull in torch and transformers (seconds of the controller's start).
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import prefill_worker.worker, decode_worker.worker, worker.colocated\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -6,14 +6,12 @@ import logging
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import ray
-import torch
 
 from bucket_manager.controller import restarted_actor
-from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput
-from kv_transfer import KVTransport, create_transport
 from kv_transfer.config import is_wildcard
 from monitor.records import WorkerStats
 from worker.config import WorkerConfig
@@ -21,11 +19,20 @@ from worker.heartbeat import Heartbeat, engine_worker_stats
 from worker.info import WorkerInfo
 from worker.outbox import OutputBuffers
 
+if TYPE_CHECKING:
+    from kv_transfer import KVTransport
+
 logger = logging.getLogger(__name__)
+
+# The engine, torch and the transports are imported where a worker starts, not with this module: every process
+# that holds a worker's actor handle (the controller, each gateway replica) imports the actor's class module
+# when it receives the handle, and should not load torch and transformers for it (3 s of the controller's start).
 
 
 def pin_process(num_threads: int, cpu_affinity: tuple[int, ...]) -> None:
     """Give this worker its own compute: torch threads, and the cores it may run on (Linux only)."""
+    import torch
+
     torch.set_num_threads(num_threads)
     if cpu_affinity and hasattr(os, "sched_setaffinity"):
         usable = set(range(os.cpu_count() or 1))
@@ -57,7 +64,9 @@ class EngineWorker:
         self.config = config
         pin_process(config.num_threads, config.cpu_affinity)
         t0 = time.perf_counter()
-        # Warm-up (every shape bucket) happens here, unless the engine config skips it.
+        from engine.llm_engine import LLMEngine
+
+        # Warm-up happens here, unless the engine config skips it.
         self.engine = LLMEngine(config.engine)
         self.startup_s = time.perf_counter() - t0
         self.outputs = OutputBuffers()
@@ -77,6 +86,8 @@ class EngineWorker:
 
     def _open_kv_transport(self) -> KVTransport:
         """The KV transport of a disaggregated role, over this worker's cache and allocator."""
+        from kv_transfer import create_transport
+
         c = self.config
         extra: dict[str, str] = {}
         if is_wildcard(c.transfer.host):  # listening on every address: peers dial this node's own

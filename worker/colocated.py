@@ -11,8 +11,7 @@ import queue
 import threading
 import time
 
-from engine.llm_engine import RequestRejected
-from engine.request import FinishReason, PriorityClass, Request, RequestOutput
+from engine.request import FinishReason, PriorityClass, Request, RequestOutput, RequestRejected
 from worker.actor import EngineWorker
 from worker.config import WorkerConfig
 from worker.messages import RequestMessage

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from kv_transfer.base import FaultInjector
 from kv_transfer.config import TransferConfig
+from kv_transfer.faults import FaultInjector
 
 ROLES = ("prefill", "decode", "colocated")
 

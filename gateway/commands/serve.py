@@ -364,6 +364,7 @@ def _settings(config, args: argparse.Namespace, drain_signal: tuple[str, str] | 
         api_key=api_key(args),
         request_timeout_s=args.request_timeout_s,
         drain_signal=drain_signal,
+        preload_tokenizer=config.engine.model,
     )
 
 

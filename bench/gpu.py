@@ -53,38 +53,6 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench/results/gpu", help="report path (without extension)")
 
 
-def _sync(dev) -> None:
-    import torch
-
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def measure_device(dev, dtype, repeats: int) -> dict[str, float]:
-    """Copy bandwidth and matmul rate of one device, each the median of ``repeats`` timed calls."""
-    import torch
-
-    def median_s(fn) -> float:
-        fn()
-        _sync(dev)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            _sync(dev)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    src = torch.ones(2**30 // 2, dtype=torch.bfloat16, device=dev)  # 1 GiB read, 1 GiB written
-    dst = torch.empty_like(src)
-    copy_s = median_s(lambda: dst.copy_(src))
-    n = 8192 if dev.type != "cpu" else 1024
-    a = torch.randn(n, n, dtype=dtype, device=dev)
-    b = torch.randn(n, n, dtype=dtype, device=dev)
-    mm_s = median_s(lambda: a @ b)
-    return {"bandwidth_Bps": 2 * 2**30 / copy_s, "gemm_flops": 2 * n**3 / mm_s}
-
-
 def _offline_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     import random
 
@@ -98,7 +66,7 @@ def time_engine_offline(engine, prompts: list[list[int]], out: int) -> tuple[flo
     sp = SamplingParams(max_tokens=out, ignore_eos=True)
     engine.generate([Request(f"warm-{i}", p, sp) for i, p in enumerate(prompts[:2])])  # untimed
     reqs = [Request(f"off-{i}", p, sp) for i, p in enumerate(prompts)]
-    _sync(engine.device.torch_device)
+    engine.device.synchronize()
     t0 = time.perf_counter()
     engine.generate(reqs)
     took = time.perf_counter() - t0
@@ -126,11 +94,12 @@ def time_hf_static(path, dev, dtype, prompts: list[list[int]], out: int) -> tupl
                 pad_token_id=0,
             )
 
+    sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
     gen()  # untimed: the static cache's allocation and the kernels' first launch
-    _sync(dev)
+    sync()
     t0 = time.perf_counter()
     result = gen()
-    _sync(dev)
+    sync()
     took = time.perf_counter() - t0
     return took, result[:, ids.shape[1] :].tolist()
 
@@ -148,7 +117,7 @@ def run(args: argparse.Namespace) -> None:
     import torch
 
     from bench.report import publish
-    from bench.roofline import ModelShape, _row, time_decode, time_prefill
+    from bench.roofline import ModelShape, measure_machine, step_rows
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
 
@@ -176,27 +145,10 @@ def run(args: argparse.Namespace) -> None:
     dev = engine.device.torch_device
     model = engine.loaded.model
     dtype = next(model.parameters()).dtype
-    machine = measure_device(dev, dtype, args.repeats)
+    machine = measure_machine(dtype, args.repeats, str(dev))
     bw, rate = machine["bandwidth_Bps"], machine["gemm_flops"]
     shape = ModelShape.of(model, torch.tensor([], dtype=dtype).element_size())
-    rows = []
-    for b, t in prefill:
-        flops = shape.prefill_flops(b, t)
-        times = time_prefill(engine, b, t, args.repeats)
-        rows.append(_row(f"prefill {b}x{t}", times, flops / rate, "gemm", flops=flops))
-    for b in batches:
-        flops, nbytes = shape.decode_flops(b, args.context), shape.decode_bytes(b, args.context)
-        mem_s, gemm_s = nbytes / bw, flops / rate
-        times = time_decode(engine, b, args.context, args.repeats)
-        row = _row(
-            f"decode batch {b} @ {args.context}",
-            times,
-            max(mem_s, gemm_s),
-            "memory" if mem_s >= gemm_s else "gemm",
-            flops=flops,
-            bytes=nbytes,
-        )
-        rows.append({**row, "achieved_GBps": nbytes / statistics.median(times) / 1e9})
+    rows = step_rows(engine, shape, prefill, batches, args.context, args.repeats, bw, rate)
     offline = None
     if args.offline_batch:
         vocab = len(engine.tokenizer)

@@ -117,21 +117,33 @@ def _median_s(fn, repeats: int) -> tuple[float, list[float]]:
     return statistics.median(times), times
 
 
-def measure_machine(dtype, repeats: int) -> dict[str, float]:
-    """Copy bandwidth (bytes read + written per second) and matmul rate (FLOP/s) on this process's threads."""
+def measure_machine(dtype, repeats: int, device: str = "cpu") -> dict[str, float]:
+    """Copy bandwidth (bytes read + written per second) and matmul rate (FLOP/s) of ``device``; on the CPU, on
+    this process's threads. Sizes far above the caches: a 256 MiB copy and a 2048^3 product on the CPU, 1 GiB and
+    8192^3 on an accelerator."""
     import torch
 
-    src = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB: far above the caches
+    dev = torch.device(device)
+    cpu = dev.type == "cpu"
+
+    def timed(fn) -> float:  # median seconds, the device's queue drained around each call
+        def call() -> None:
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
+        call()
+        return _median_s(call, repeats)[0]
+
+    src = torch.ones((64 if cpu else 256) * 2**20, dtype=torch.float32, device=dev)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    copy_s, _ = _median_s(lambda: dst.copy_(src), repeats)
-    n = 2048
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    a @ b
-    mm_s, _ = _median_s(lambda: a @ b, repeats)
+    copy_s = timed(lambda: dst.copy_(src))
+    n = 2048 if cpu else 8192
+    a = torch.randn(n, n, dtype=dtype, device=dev)
+    b = torch.randn(n, n, dtype=dtype, device=dev)
+    mm_s = timed(lambda: a @ b)
     rates = {"matmul": 2 * n**3 / mm_s}
-    if torch.backends.mkldnn.is_available():
+    if cpu and torch.backends.mkldnn.is_available():
         # oneDNN with a prepacked weight (what the engine's linears run on CPU) beats torch.matmul's BLAS by
         # ~2.3x on this host at fp32 accuracy: the machine's GEMM bound is the faster of the two.
         packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
@@ -199,6 +211,50 @@ def time_decode(engine, batch: int, context: int, repeats: int) -> list[float]:
     return times
 
 
+def step_rows(
+    engine,
+    shape: ModelShape,
+    prefill: list[tuple[int, int]],
+    batches: list[int],
+    context: int,
+    repeats: int,
+    bandwidth: float,
+    rate: float,
+) -> list[dict]:
+    """Time the engine's prefill steps (``(batch, tokens)``) and decode steps (batch sizes at ``context``); one
+    report row each, against the bounds that ``bandwidth`` (bytes/s) and ``rate`` (FLOP/s) give."""
+    rows = []
+    for b, t in prefill:
+        flops = shape.prefill_flops(b, t)
+        times = time_prefill(engine, b, t, repeats)
+        rows.append(_row(f"prefill {b}x{t}", times, flops / rate, "gemm", flops=flops))
+    for b in batches:
+        flops, nbytes = shape.decode_flops(b, context), shape.decode_bytes(b, context)
+        mem_s, gemm_s = nbytes / bandwidth, flops / rate
+        phases_s = shape.phases_bound_s(b, context, bandwidth, rate)
+        times = time_decode(engine, b, context, repeats)
+        row = _row(
+            f"decode batch {b} @ {context}",
+            times,
+            max(mem_s, gemm_s),
+            "memory" if mem_s >= gemm_s else "gemm",
+            flops=flops,
+            bytes=nbytes,
+            memory_bound_ms=mem_s * 1e3,
+            gemm_bound_ms=gemm_s * 1e3,
+        )
+        med = statistics.median(times)
+        rows.append(
+            {
+                **row,
+                "achieved_GBps": nbytes / med / 1e9,
+                "phases_bound_ms": phases_s * 1e3,
+                "ratio_phases": med / phases_s,
+            }
+        )
+    return rows
+
+
 def _row(step: str, times: list[float], bound_s: float, bound: str, **figures: float) -> dict:
     """One step's report row: median and spread of its times, its bound, the ratio, and what it computed."""
     med = statistics.median(times)
@@ -250,35 +306,7 @@ def run(args: argparse.Namespace) -> None:
     dtype = next(model.parameters()).dtype
     shape = ModelShape.of(model, torch.tensor([], dtype=dtype).element_size())
     bw, rate = machine["bandwidth_Bps"], machine["gemm_flops"]
-    rows = []
-    for b, t in prefill:
-        flops = shape.prefill_flops(b, t)
-        times = time_prefill(engine, b, t, args.repeats)
-        rows.append(_row(f"prefill {b}x{t}", times, flops / rate, "gemm", flops=flops))
-    for b in batches:
-        flops, nbytes = shape.decode_flops(b, args.context), shape.decode_bytes(b, args.context)
-        mem_s, gemm_s = nbytes / bw, flops / rate
-        phases_s = shape.phases_bound_s(b, args.context, bw, rate)
-        times = time_decode(engine, b, args.context, args.repeats)
-        row = _row(
-            f"decode batch {b} @ {args.context}",
-            times,
-            max(mem_s, gemm_s),
-            "memory" if mem_s >= gemm_s else "gemm",
-            flops=flops,
-            bytes=nbytes,
-            memory_bound_ms=mem_s * 1e3,
-            gemm_bound_ms=gemm_s * 1e3,
-        )
-        med = statistics.median(times)
-        rows.append(
-            {
-                **row,
-                "achieved_GBps": nbytes / med / 1e9,
-                "phases_bound_ms": phases_s * 1e3,
-                "ratio_phases": med / phases_s,
-            }
-        )
+    rows = step_rows(engine, shape, prefill, batches, args.context, args.repeats, bw, rate)
     result = {
         "model": args.model,
         "dtype": str(dtype).removeprefix("torch."),

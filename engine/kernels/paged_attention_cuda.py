@@ -4,7 +4,8 @@
   the host, so the step is captured as a graph per padded batch size.
 - Steps with prompt tokens: flash attention on variable-length sequences (``torch.nn.attention.varlen``) over
   K/V gathered from the cache into one packed row, causal from the bottom right (each sequence's queries are its
-  last tokens); where this torch has no such function, or refuses the dtype (fp32), one SDPA per sequence.
+  last tokens); where this torch has no such function, or refuses the dtype (fp32), the reference operator
+  (one SDPA per sequence).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels.paged_attention_gather import per_sequence_attention
+from engine.kernels.paged_attention_ref import paged_attention_ref
 from engine.kernels.paged_decode_triton import paged_decode_triton
 
 logger = logging.getLogger(__name__)
@@ -39,16 +40,11 @@ def paged_attention_cuda(
     elif _varlen_works(q.dtype, q.device):
         varlen_prefill(out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
     else:
-        per_sequence_attention(out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
-
-
-def _varlen_kwargs(scale: float) -> dict | None:
-    kw = _varlen_base_kwargs()
-    return None if kw is None else {**kw, "scale": scale}
+        paged_attention_ref(out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
 
 
 @functools.cache
-def _varlen_base_kwargs() -> dict | None:
+def _varlen_options() -> dict | None:
     """Keyword arguments for a causal GQA call of this torch's ``varlen_attn``; None where it has none."""
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -114,18 +110,18 @@ def varlen_prefill(out, q, k_cache, v_cache, block_table, seq_lens, query_start_
     meta = _packed_keys(block_table, seq_lens, query_start_loc, bs)
     k = k_cache.view(-1, kvh, d).index_select(0, meta.slots)  # [sum(lens), KVH, D]
     v = v_cache.view(-1, kvh, d).index_select(0, meta.slots)
-    kw = _varlen_kwargs(scale)
+    kw = _varlen_options()
     if "enable_gqa" not in kw and q.shape[1] != kvh:
         k = k.repeat_interleave(q.shape[1] // kvh, dim=1)
         v = v.repeat_interleave(q.shape[1] // kvh, dim=1)
-    out.copy_(varlen_attn(q, k, v, query_start_loc, meta.cu_k, meta.max_q, meta.max_k, **kw))
+    out.copy_(varlen_attn(q, k, v, query_start_loc, meta.cu_k, meta.max_q, meta.max_k, scale=scale, **kw))
 
 
 def _varlen_works(dtype: torch.dtype, device: torch.device) -> bool:
     """Probe once per dtype: a chunk on top of cached context through varlen, against per-sequence SDPA."""
     if dtype not in _varlen_ok:
         ok = False
-        if _varlen_kwargs(1.0) is not None:
+        if _varlen_options() is not None:
             try:
                 ok = _probe(dtype, device)
             except Exception as e:  # noqa: BLE001 - any failure means: not on this build
@@ -148,5 +144,5 @@ def _probe(dtype: torch.dtype, device: torch.device) -> bool:
     q = torch.randn(26, h, d, generator=g, device=device).to(dtype)
     got, want = torch.empty_like(q), torch.empty_like(q)
     varlen_prefill(got, q, k_cache, v_cache, table, seq_lens, starts, 0.125)
-    per_sequence_attention(want, q, k_cache, v_cache, table, seq_lens, starts, 0.125)
+    paged_attention_ref(want, q, k_cache, v_cache, table, seq_lens, starts, 0.125)
     return bool(torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2))

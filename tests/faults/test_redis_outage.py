@@ -56,6 +56,11 @@ def _wait_until(what: str, cond: Callable[[], bool], timeout_s: float) -> float:
     return time.monotonic() - t0
 
 
+def _finished_now() -> float:
+    """The arrival time of a request (``request()``'s e2e_s) that finishes at this moment."""
+    return time.time() - request("probe").e2e_s
+
+
 def _outage_lines(mon: Monitor) -> list[str]:
     return [p for p in mon.check() if "store unreachable" in p]
 

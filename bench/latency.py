@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from bench.report import write_report
 from bench.server_process import ServerProcess, free_port, wait_healthy
 
 
@@ -51,6 +52,16 @@ def register(sub) -> None:
     p.add_argument("--port", type=int, default=0, help="0: a free port")
     p.add_argument("--startup-timeout-s", type=float, default=900.0)
     p.add_argument("--serve-args", default="", help="extra flags for bucketserve serve, e.g. '--skip-warmup'")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also read, from our servers' monitor, where the single requests' time to first token went, "
+        "stage by stage (admission, controller queue, prefill queue, prefill forward, first token out; the "
+        "KV hand-off; the overhead: TTFT less the prefill forward)",
+    )
+    p.add_argument(
+        "--report", default=None, help="also write the results here (JSON, and Markdown beside it)"
+    )
     p.add_argument("--json", action="store_true", help="print only the final JSON")
     p.set_defaults(func=run)
 
@@ -92,15 +103,33 @@ def _summary(rows: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-async def _measure(base: str, args: argparse.Namespace) -> dict[str, Any]:
+async def _stages(c: httpx.AsyncClient, n: int, timeout_s: float = 30.0) -> dict[str, Any]:
+    """The server's per-stage figures once its monitor holds the ``n`` requests sent so far (each is recorded as it
+    ends, without the response waiting on it). The server is fresh, so its window holds exactly those."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = await c.get("/dashboard/data", params={"window_s": 900})
+        r.raise_for_status()
+        stages = r.json().get("stages", {})
+        if stages.get("prefill_forward", {}).get("count", 0) >= n:
+            return stages
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the monitor holds stages of {stages.get('prefill_forward')} of {n} requests")
+        await asyncio.sleep(0.2)
+
+
+async def _measure(base: str, args: argparse.Namespace, breakdown: bool = False) -> dict[str, Any]:
     rng = random.Random(0)
 
     def prompt() -> list[int]:
         return [rng.randrange(10, 1000) for _ in range(args.prompt_len)]
 
     limits = httpx.Limits(max_connections=args.concurrency + 4)
+    out: dict[str, Any] = {}
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as c:
         single = [await _one(c, args.model, prompt(), args.output_len) for _ in range(args.single_runs)]
+        if breakdown:
+            out["single_stages"] = await _stages(c, args.single_runs)
         t0 = time.perf_counter()
         burst = await asyncio.gather(
             *(_one(c, args.model, prompt(), args.output_len) for _ in range(args.concurrency))
@@ -108,6 +137,7 @@ async def _measure(base: str, args: argparse.Namespace) -> dict[str, Any]:
         wall = time.perf_counter() - t0
     return {
         "single": _summary(single),
+        **out,
         f"concurrent_{args.concurrency}": {
             **_summary(burst),
             "output_tok_s": round(args.concurrency * args.output_len / wall, 1),
@@ -138,7 +168,7 @@ def _run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             result = {
                 "system": mode,
                 "time_to_healthy_s": round(healthy_s, 1),
-                **asyncio.run(_measure(base, args)),
+                **asyncio.run(_measure(base, args, args.breakdown and mode != "vllm")),
             }
         finally:
             t1 = time.perf_counter()
@@ -161,8 +191,55 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
+        "single_runs": args.single_runs,
         "cpus": os.cpu_count(),
         "results": results,
     }
+    if args.report:
+        title = f"Latency: {args.model}, {args.prompt_len}-token prompts, {args.output_len} tokens out"
+        write_report(args.report, title, report, _table(report))
     print(json.dumps(report))
     return 0
+
+
+def _table(report: dict[str, Any]) -> list[tuple[str, ...]]:
+    """One row per system: TTFT and TPOT of single requests and of the burst; then, where measured, one row per
+    stage of a single request's way (monitor/stages.py), in the order a request passes them."""
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    rows: list[tuple[str, ...]] = [("system", "what", "requests", "mean (ms)", "p50 (ms)", "p90 (ms)")]
+    for r in report["results"]:
+        single = r["single"]
+        n = str(report.get("single_runs", ""))
+        rows.append(
+            (r["system"], "TTFT, single", n, "-", ms(single["ttft_ms_median"]), ms(single["ttft_ms_p90"]))
+        )
+        rows.append(
+            (r["system"], "TPOT, single", n, "-", ms(single["tpot_ms_median"]), ms(single["tpot_ms_p90"]))
+        )
+        for name, st in r.get("single_stages", {}).items():
+            rows.append(
+                (
+                    r["system"],
+                    f"stage {name}",
+                    f"{st['count']:g}",
+                    ms(st["mean_ms"]),
+                    ms(st["p50_ms"]),
+                    ms(st["p90_ms"]),
+                )
+            )
+        for key, burst in r.items():
+            if key.startswith("concurrent_"):
+                rows.append(
+                    (
+                        r["system"],
+                        f"TTFT, {key}",
+                        key.split("_")[1],
+                        "-",
+                        ms(burst["ttft_ms_median"]),
+                        ms(burst["ttft_ms_p90"]),
+                    )
+                )
+    return rows

@@ -635,7 +635,7 @@ class Controller:
     def _plan_all(self) -> None:
         for batch in self.dispatcher.plan(time.time()):
             items = [(payload, batch.decode_id) for payload in batch.payloads]
-            self.handles[batch.prefill_id].enqueue.remote(batch.batch_id, items)
+            self.handles[batch.prefill_id].enqueue.remote(batch.batch_id, items, time.time())
 
     def _publish_buckets(self, queue: RequestBuckets) -> None:
         bounds = queue.bounds()

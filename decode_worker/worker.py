@@ -19,7 +19,9 @@ import time
 
 import ray
 
+from engine.request import RequestOutput
 from kv_transfer import ReceivedKV
+from monitor import stages
 from worker.actor import EngineWorker
 from worker.config import WorkerConfig
 from worker.info import DecodePeer, WorkerInfo
@@ -42,6 +44,8 @@ class DecodeWorker(EngineWorker):
         self._orphans: dict[str, tuple[ReceivedKV, float]] = {}  # KV that came before its announcement
         self._tombstones: dict[str, float] = {}
         self._aborts: queue.SimpleQueue[tuple[str, threading.Event]] = queue.SimpleQueue()
+        # Request id -> when the loop took its KV into the engine, until its first output here carries it (loop only).
+        self._joined_at: dict[str, float] = {}
         self._start(self._loop)
 
     # ------------------------------------------------------------------ remote API
@@ -142,6 +146,8 @@ class DecodeWorker(EngineWorker):
 
     def _step(self) -> None:
         outs = self._timed_step()
+        if self._joined_at:
+            outs = self._stamp_joins(outs)
         routed = []
         finished = []
         with self._lock:
@@ -162,6 +168,18 @@ class DecodeWorker(EngineWorker):
             for rid in finished:
                 controller.release.remote(rid)
         self.heartbeat.push()
+
+    def _stamp_joins(self, outs: list[RequestOutput]) -> list[RequestOutput]:
+        """The first output here of each request just joined carries when its KV was taken and when this step
+        ended: the hand-off stages (``monitor/stages.py``)."""
+        now = time.time()
+        stamped = []
+        for out in outs:
+            joined = self._joined_at.pop(out.request_id, None)
+            if joined is not None:
+                out = out.marked({stages.KV_RECEIVED: joined, stages.DECODE_FIRST: now})
+            stamped.append(out)
+        return stamped
 
     def _admit(self, timeout: float) -> None:
         kv = self.transport.receive(timeout)
@@ -186,6 +204,7 @@ class DecodeWorker(EngineWorker):
                 return
         req = msg.to_request(kv.block_ids, kv.num_tokens)
         self.engine.admit_prefilled(req)
+        self._joined_at[rid] = time.time()
 
     def _apply_aborts(self) -> None:
         while True:
@@ -194,6 +213,7 @@ class DecodeWorker(EngineWorker):
             except queue.Empty:
                 return
             self.engine.abort(rid)
+            self._joined_at.pop(rid, None)
             self.transport.abort(rid, "aborted by client")
             with self._lock:
                 self._expected.pop(rid, None)

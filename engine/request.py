@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 # One priority class for every layer; the controller's module is the lowest that needs it.
 from bucket_manager.request import PriorityClass
@@ -142,3 +143,15 @@ class RequestOutput:
     num_prompt_tokens: int
     num_generated_tokens: int
     error: str | None = None
+    # Where the request's time went: Unix-second marks the serving processes stamp on it on its way out
+    # (``monitor/stages.py`` names them); None from an engine on its own.
+    marks: dict[str, float] | None = None
+
+    @property
+    def has_first_token(self) -> bool:
+        """This output carries the request's first sampled token."""
+        return bool(self.new_token_ids) and self.num_generated_tokens == len(self.new_token_ids)
+
+    def marked(self, marks: Mapping[str, float]) -> RequestOutput:
+        """A copy with ``marks`` added (they win over marks of the same name already here)."""
+        return replace(self, marks={**(self.marks or {}), **marks})

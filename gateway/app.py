@@ -20,6 +20,7 @@ import hmac
 import logging
 import math
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -148,6 +149,7 @@ class Gateway:
         return request_deadline(request.headers, self.settings.request_timeout_s)
 
     async def completions(self, request: HTTPRequest) -> Response:
+        received = time.monotonic()  # where the time to first token starts
         self.drain.check()
         self.check_auth(request)
         deadline = self.deadline(request)
@@ -163,7 +165,7 @@ class Gateway:
         reqs = self.admission.requests(
             new_id("cmpl"), prompts, max_tokens, body, sched, body.logprobs is not None
         )
-        gens = start_generations(self.backend, reqs, self.tokenizer, body.stop_list(), deadline)
+        gens = start_generations(self.backend, reqs, self.tokenizer, body.stop_list(), deadline, received)
         self.drain.admit(gens)  # a drain that began while this request was read and tokenized refuses it
         base_id = gens[0].req.request_id
         if body.stream:
@@ -174,6 +176,7 @@ class Gateway:
         return JSONResponse(self.format.completion_response(body, gens, base_id).model_dump())
 
     async def chat(self, request: HTTPRequest) -> Response:
+        received = time.monotonic()  # where the time to first token starts
         self.drain.check()
         self.check_auth(request)
         deadline = self.deadline(request)
@@ -186,7 +189,7 @@ class Gateway:
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         mt = self.admission.check_length(ids, body.requested_max_tokens(), "messages", max_param)
         reqs = self.admission.requests(new_id("chatcmpl"), [ids], [mt], body, sched, body.logprobs)
-        gens = start_generations(self.backend, reqs, self.tokenizer, body.stop_list(), deadline)
+        gens = start_generations(self.backend, reqs, self.tokenizer, body.stop_list(), deadline, received)
         self.drain.admit(gens)  # a drain that began while this request was read and tokenized refuses it
         g = gens[0]
         rid = g.req.request_id

@@ -38,6 +38,7 @@ from gateway.cluster_launch import (
     launch_cluster,
     stop_cluster,
 )
+from monitor import stages
 from monitor.records import RequestRecord
 from worker.actor import EngineWorker
 from worker.info import WorkerInfo
@@ -173,6 +174,7 @@ class RayClusterBackend(ServingBackend):
             # Its own task, so a caller that gives up (deadline, disconnect) does not cut it short: its abort is
             # sent once the submission has landed, never ahead of it (Ray does not order the calls of one caller
             # to an async actor).
+            submitted = {stages.SUBMITTED: time.time()}
             submitting = asyncio.ensure_future(self._submit(msg, stream))
             try:
                 await asyncio.shield(submitting)
@@ -182,6 +184,9 @@ class RayClusterBackend(ServingBackend):
             while True:
                 out = await stream.queue.get()
                 finished = out.finished
+                if submitted is not None:
+                    out = out.marked(submitted)
+                    submitted = None
                 yield out
                 if finished:
                     break

@@ -27,6 +27,7 @@ from engine.request import FinishReason, Request, RequestOutput
 from gateway.backend import BackendError, ServingBackend, TimedOut, Unavailable
 from gateway.deadline import Deadline
 from gateway.tokenization import IncrementalDetokenizer, Tokenizer
+from monitor import stages
 from monitor.records import RequestRecord
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class Generation:
     error: str | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    # Stage marks (``monitor/stages.py``) from the processes the request went through, Unix seconds.
+    marks: dict[str, float] = field(default_factory=dict)
     recorded: bool = False
     # Set when the server ends this request before it finishes (a drain period ran out, ``gateway/drain.py``):
     # the abort that follows is then an error the client sees, not a finish.
@@ -147,9 +150,12 @@ class Generation:
 
     def _apply(self, out: RequestOutput) -> Event:
         now = time.monotonic()
+        if out.marks:
+            self.marks.update(out.marks)
         if out.new_token_ids:
             if self.first_token_at is None:
                 self.first_token_at = now
+                self.marks[stages.FIRST_TOKEN] = self.arrival_wall + (now - self.arrival)
             self.last_token_at = now
             self.token_ids += out.new_token_ids
             self.logprobs += out.new_logprobs
@@ -196,6 +202,8 @@ class Generation:
             if n > 1 and self.first_token_at is not None and self.last_token_at is not None
             else None
         )
+        spent = stages.stage_seconds({stages.RECEIVED: self.arrival_wall, **self.marks})
+        waited = [spent[s] for s in ("controller_queue", "prefill_queue") if s in spent]
         reason = self.finish_reason if self.finish_reason in ("stop", "length", "abort", "error") else "error"
         ok = reason in ("stop", "length")
         slo_met = ok
@@ -214,6 +222,9 @@ class Generation:
             ttft_s=ttft,
             tpot_s=tpot,
             e2e_s=end - self.arrival,
+            queue_s=sum(waited) if waited else None,
+            prefill_s=spent.get("prefill_forward"),
+            stages=spent or None,
             error=self.error,
         )
 
@@ -224,10 +235,17 @@ def start_generations(
     tokenizer: Tokenizer,
     stop: list[str],
     deadline: Deadline | None = None,
+    received: float | None = None,
 ) -> list[Generation]:
-    """One :class:`Generation` per request of one HTTP call, all arriving now, all bound by its deadline."""
-    now = time.time()
-    return [Generation(backend, req, IncrementalDetokenizer(tokenizer, stop), now, deadline) for req in reqs]
+    """One :class:`Generation` per request of one HTTP call, all bound by its deadline; ``received``: when the
+    call came in (``time.monotonic()``; None: now), where its time to first token starts."""
+    now = time.monotonic()
+    received = now if received is None else received
+    wall = time.time() - (now - received)
+    return [
+        Generation(backend, req, IncrementalDetokenizer(tokenizer, stop), wall, deadline, arrival=received)
+        for req in reqs
+    ]
 
 
 async def _finish(backend: ServingBackend, gens: list[Generation]) -> None:

@@ -26,7 +26,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestRejected
 from engine.request import FinishReason, Request, RequestOutput
 from gateway.backend import BackendError, ModelInfo, Overloaded, Rejected, ServingBackend, Unavailable
-from monitor import Monitor, WorkerStats
+from monitor import Monitor, WorkerStats, stages
 from monitor.records import RequestRecord
 
 logger = logging.getLogger(__name__)
@@ -121,6 +121,7 @@ class LocalEngineBackend(ServingBackend):
             self.monitor.record_arrival(req.priority_class.value, req.num_prompt_tokens)
         except Exception:  # a monitor store outage (Redis down) must not fail the request
             logger.exception("could not record the arrival of %s", req.request_id)
+        submitted: dict[str, float] | None = {stages.SUBMITTED: time.time()}
         with self._cv:
             self._to_add.append(req)
             self._cv.notify()
@@ -131,6 +132,8 @@ class LocalEngineBackend(ServingBackend):
                 if isinstance(item, BaseException):
                     finished = True  # the engine no longer holds it
                     raise item
+                if submitted is not None and isinstance(item, RequestOutput):
+                    item, submitted = item.marked(submitted), None
                 yield item
                 if item.finished:
                     finished = True
@@ -234,9 +237,12 @@ class LocalEngineBackend(ServingBackend):
                 for rid in aborts:
                     self.engine.abort(rid)  # None when it already finished: nothing to free
                 if self.engine.has_unfinished():
+                    start = time.time()
                     t0 = time.perf_counter()
                     try:
                         outs = self.engine.step()
+                        marks = {stages.FORWARD_START: start, stages.FORWARD_END: time.time()}
+                        outs = [o.marked(marks) if o.has_first_token else o for o in outs]
                     except Exception as e:  # a broken step must not leave clients waiting forever
                         logger.exception("engine step failed; failing every request in flight")
                         failed += self._fail_all(f"engine step failed: {type(e).__name__}: {e}")

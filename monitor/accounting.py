@@ -27,6 +27,8 @@ _ITL_BOUNDS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 _REQUEST_BOUNDS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 _KV_TRANSFER_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
 _BATCH_BOUNDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
+# The stages of a request's way (monitor/stages.py) run from tens of microseconds (a hop) to queueing seconds.
+_STAGE_BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # fmt: skip
 
 HISTOGRAM_BOUNDS: dict[str, tuple[float, ...]] = {
     "ttft": _TTFT_BOUNDS,
@@ -35,6 +37,7 @@ HISTOGRAM_BOUNDS: dict[str, tuple[float, ...]] = {
     "queue": _REQUEST_BOUNDS,
     "kv_transfer": _KV_TRANSFER_BOUNDS,
     "batch_size": _BATCH_BOUNDS,
+    "stage": _STAGE_BOUNDS,
 }
 
 TOTALS_KEY = "totals"
@@ -79,6 +82,8 @@ def request_totals(rec: RequestRecord) -> dict[str, float]:
         _observe(out, "e2e", cls, rec.e2e_s)
     if rec.queue_s is not None:
         _observe(out, "queue", cls, rec.queue_s)
+    for stage, seconds in (rec.stages or {}).items():
+        _observe(out, "stage", stage, seconds)
     return out
 
 
@@ -96,6 +101,10 @@ def request_slot(rec: RequestRecord) -> dict[str, float]:
         _add(out, f"ttft|{cls}|{sketch.bin_index(rec.ttft_s * 1000.0)}", 1)
     if rec.tpot_s is not None and rec.output_tokens > 1:
         _add(out, f"tpot|{cls}|{sketch.bin_index(rec.tpot_s * 1000.0)}", 1)
+    # Stages across classes: where the time goes is a property of the serving path, not of the class.
+    for stage, seconds in (rec.stages or {}).items():
+        _add(out, f"stg|{stage}|{sketch.bin_index(seconds * 1000.0)}", 1)
+        _add(out, f"stgsum|{stage}", seconds * 1000.0)
     return out
 
 
@@ -171,6 +180,9 @@ class SeriesSlot:
     bucket_count: float | None = None
     worker_kv_usage: dict[str, float] = field(default_factory=dict)
     worker_free_memory: dict[str, float] = field(default_factory=dict)
+    # Per stage of the request path: a latency sketch (ms) and the sum of its values (ms).
+    stage_bins: dict[str, dict[int, float]] = field(default_factory=dict)
+    stage_sum_ms: dict[str, float] = field(default_factory=dict)
 
     def total(self) -> ClassSlot:
         out = ClassSlot()
@@ -210,6 +222,11 @@ def decode_slot(start: int, raw: Mapping[str, float]) -> SeriesSlot:
             slot.worker_kv_usage[rest] = value
         elif kind == "wmem":
             slot.worker_free_memory[rest] = value
+        elif kind == "stg":
+            stage, _, index = rest.partition("|")
+            slot.stage_bins.setdefault(stage, {})[int(index)] = value
+        elif kind == "stgsum":
+            slot.stage_sum_ms[rest] = value
     return slot
 
 
@@ -235,6 +252,36 @@ def decode_histograms(totals: Mapping[str, float]) -> dict[tuple[str, str], Hist
         bounds = HISTOGRAM_BOUNDS[hist]
         counts = tuple(parts.get(str(i), 0.0) for i in range(len(bounds) + 1))
         out[(hist, label)] = Histogram(bounds, counts, parts.get("hs", 0.0), parts.get("hc", 0.0))
+    return out
+
+
+@dataclass
+class StageSummary:
+    """One stage over a run of slots: how many requests went through it, their mean and its sketch (ms)."""
+
+    count: float = 0.0
+    sum_ms: float = 0.0
+    bins: dict[int, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {
+            "count": self.count,
+            "mean_ms": self.sum_ms / self.count if self.count else None,
+            "p50_ms": sketch.quantile(self.bins, 0.5),
+            "p90_ms": sketch.quantile(self.bins, 0.9),
+            "p99_ms": sketch.quantile(self.bins, 0.99),
+        }
+
+
+def aggregate_stages(slots: list[SeriesSlot]) -> dict[str, StageSummary]:
+    """Per stage (``monitor/stages.py``) over a run of slots."""
+    out: dict[str, StageSummary] = {}
+    for slot in slots:
+        for stage, bins in slot.stage_bins.items():
+            s = out.setdefault(stage, StageSummary())
+            sketch.merge(s.bins, bins)
+            s.count += sum(bins.values())
+            s.sum_ms += slot.stage_sum_ms.get(stage, 0.0)
     return out
 
 

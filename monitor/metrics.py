@@ -43,6 +43,13 @@ HISTOGRAMS: dict[str, tuple[str, str, str]] = {
         "priority_class",
     ),
     "batch_size": ("batch_size", "Requests per executed batch (before padding).", "role"),
+    "stage": (
+        "request_stage_seconds",
+        "Time a request spent in each stage of its way through the cluster (admission, controller_queue, "
+        "prefill_queue, prefill_forward, first_token_out: the time to first token; kv_transfer, decode_join: "
+        "the hand-off to decode; overhead: the time to first token less the prefill forward), seconds.",
+        "stage",
+    ),
 }
 
 # Every family name this module can emit (without the _total/_bucket suffixes); the

@@ -24,6 +24,7 @@ from monitor.records import (
     WorkerStats,
     WorkerStatus,
 )
+from monitor.stages import STAGES
 from monitor.store import Clock, MonitorStore
 from monitor.stores import create_store
 
@@ -86,6 +87,10 @@ class Monitor:
         self.store.set_buckets(BucketState(tuple(boundaries), tuple(queue_depths), t))
 
     # ------------------------------------------------------------ reads
+
+    def request(self, request_id: str) -> RequestRecord | None:
+        """The record of one finished request (kept for the retention window), or None."""
+        return self.store.get_request(request_id)
 
     def workers(self) -> list[WorkerStatus]:
         return self.store.workers()
@@ -173,6 +178,14 @@ class Monitor:
                     "tpot_ms": {name: sketch.quantile(c.tpot_bins, q) for name, q in QUANTILES},
                 }
                 for cls, c in window.items()
+            },
+            # Where the time to first token went over the window, stage by stage (monitor/stages.py), in order.
+            "stages": {
+                name: summary.as_dict()
+                for name, summary in sorted(
+                    accounting.aggregate_stages(slots).items(),
+                    key=lambda kv: STAGES.index(kv[0]) if kv[0] in STAGES else len(STAGES),
+                )
             },
             "buckets": _bucket_dict(self.store.buckets()),
             "workers": [_worker_row(s, now) for s in statuses],

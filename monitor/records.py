@@ -11,6 +11,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
+from monitor.stages import STAGES
+
 Role = Literal["prefill", "decode", "colocated"]
 PriorityClass = Literal["online", "offline"]
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -124,6 +126,8 @@ class RequestRecord(_JsonRecord):
     e2e_s: float | None = None
     bucket: tuple[int, int] | None = None
     error: str | None = None
+    # Seconds per stage of its way through the cluster (``monitor/stages.py``); None when not measured.
+    stages: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         name = "RequestRecord"
@@ -157,6 +161,16 @@ class RequestRecord(_JsonRecord):
                 _fail(name, "bucket", "must be (low, high) ints with low < high", self.bucket)
             # JSON gives lists back; keep the declared tuple type either way.
             object.__setattr__(self, "bucket", bucket)
+        if self.stages is not None:
+            if not isinstance(self.stages, dict):
+                _fail(name, "stages", "must be a dict of stage name -> seconds", self.stages)
+            for stage, seconds in self.stages.items():
+                if stage not in STAGES:
+                    _fail(
+                        name, "stages", f"names unknown stage {stage!r} (known: {', '.join(STAGES)})", stage
+                    )
+                if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
+                    _fail(name, "stages", f"[{stage!r}] must be a number of seconds >= 0", seconds)
 
     @property
     def succeeded(self) -> bool:

@@ -21,6 +21,7 @@ from bucket_manager.request import RequestSummary
 from engine.request import FinishReason, Request, RequestOutput
 from kv_transfer import KVTransferError
 from kv_transfer.streaming import LayerStreamer
+from monitor import stages
 from monitor.records import BatchRecord
 from worker.actor import EngineWorker
 from worker.config import WorkerConfig
@@ -48,6 +49,7 @@ class PrefillWorker(EngineWorker):
         self._streamed = 0  # transfers that went layer by layer during their prefill and were acknowledged
         self._peers: dict[str, DecodePeer] = {}  # by decode worker id
         self._tombstones: dict[str, float] = {}
+        self._dispatched_at: dict[int, float] = {}  # batch id -> when the controller sent it (queued batches)
         self._senders = ThreadPoolExecutor(config.num_senders, thread_name_prefix="kv-send")
         self._monitor = self.heartbeat.monitor
         self._start(self._loop)
@@ -57,10 +59,15 @@ class PrefillWorker(EngineWorker):
         with self._cond:
             self._peers = dict(peers)
 
-    def enqueue(self, batch_id: int, items: list[tuple[RequestMessage, str]]) -> None:
-        """A batch planned by the controller: (request, decode worker id) pairs, run after those queued."""
+    def enqueue(
+        self, batch_id: int, items: list[tuple[RequestMessage, str]], dispatched_at: float | None = None
+    ) -> None:
+        """A batch planned by the controller: (request, decode worker id) pairs, run after those queued;
+        ``dispatched_at``: when the controller sent it (Unix seconds), stamped on the first tokens."""
         with self._cond:
             self._queue.append((batch_id, list(items)))
+            if dispatched_at is not None:
+                self._dispatched_at[batch_id] = dispatched_at
             self._held[batch_id] = list(items)
             self._cond.notify_all()
 
@@ -107,11 +114,12 @@ class PrefillWorker(EngineWorker):
                     self._cond.wait(0.5)
                     continue
                 batch_id, items = self._queue.popleft()
+                dispatched_at = self._dispatched_at.pop(batch_id, None)
                 self._in_progress += 1
                 items = [(m, d) for m, d in items if m.request_id not in self._tombstones]
             streamer = LayerStreamer(self.transport) if self.config.stream_kv_layers else None
             try:
-                sends = self._run(items, streamer)
+                sends = self._run(items, streamer, dispatched_at)
             except Exception as e:
                 logger.exception("prefill batch %d failed", batch_id)
                 sends = []
@@ -120,7 +128,10 @@ class PrefillWorker(EngineWorker):
             self._senders.submit(self._send_all, batch_id, sends, streamer)
 
     def _run(
-        self, items: list[tuple[RequestMessage, str]], streamer: LayerStreamer | None = None
+        self,
+        items: list[tuple[RequestMessage, str]],
+        streamer: LayerStreamer | None = None,
+        dispatched_at: float | None = None,
     ) -> list[tuple[RequestMessage, Request, str]]:
         if not items:
             return []
@@ -138,6 +149,7 @@ class PrefillWorker(EngineWorker):
             if not items:
                 return []
         streamed = set(streamer.request_ids) if streamer is not None else set()
+        start = time.time()
         t0 = time.perf_counter()
         try:
             hook = streamer.on_layer_written if streamer is not None else None
@@ -155,6 +167,10 @@ class PrefillWorker(EngineWorker):
             raise
         ms = (time.perf_counter() - t0) * 1e3
         self._latency_ms = ms if self._latency_ms is None else 0.8 * self._latency_ms + 0.2 * ms
+        marks = {stages.FORWARD_START: start, stages.FORWARD_END: start + ms / 1e3}
+        if dispatched_at is not None:
+            marks[stages.DISPATCHED] = dispatched_at
+        outs = [o.marked(marks) for o in outs]
         self.outputs.put_many((m.consumer_id, o) for (m, _), o in zip(items, outs, strict=True))
         self._record_batch(reqs)
         sends = []

@@ -34,3 +34,32 @@ def test_vllm_runs_vllm_serve_of_the_same_checkpoint(tmp_path):
     assert cmd[cmd.index("--served-model-name") + 1] == "tiny" and "VLLM_CPU_KVCACHE_SPACE" in env
     with pytest.raises(SystemExit, match="no vLLM environment"):
         _command("vllm", parse(["--vllm-python", str(tmp_path / "none")]), 9000)
+
+
+def test_breakdown_reads_the_stages_of_the_single_requests_from_the_server(tmp_path):
+    """Against the product's gateway on a real in-process engine (tiny model): the single requests' stages come
+    back from the server's monitor, one count per request, and the report's table lists them in order."""
+    import asyncio
+
+    import gateway_helpers as helpers
+
+    import gateway.app as gateway_app
+    import gateway.local_backend as local_backend
+    from bench.latency import _measure, _table
+
+    args = parse(["--model", "tiny", "--prompt-len", "24", "--output-len", "3", "--single-runs", "3"])
+    args.concurrency = 2
+    backend = local_backend.LocalEngineBackend(helpers.tiny_config())
+    try:
+        with helpers.serve_app(gateway_app.create_app(backend)) as url:
+            got = asyncio.run(_measure(url, args, breakdown=True))
+    finally:
+        backend.close()
+    stages = got["single_stages"]
+    # One engine in-process: no controller and no hand-off to decode.
+    assert list(stages) == ["admission", "prefill_queue", "prefill_forward", "first_token_out", "overhead"]
+    assert all(s["count"] == 3 for s in stages.values()), stages
+    assert stages["prefill_forward"]["p50_ms"] > 0
+    report = {"single_runs": 3, "results": [{"system": "colocated", "time_to_healthy_s": 0.0, **got}]}
+    rows = _table(report)
+    assert [r[1] for r in rows if r[1].startswith("stage ")] == [f"stage {n}" for n in stages]

@@ -265,6 +265,41 @@ def test_sixteen_times_the_admission_bound_at_once_is_served_or_refused_fast_nev
     assert_no_leaks(asyncio.run(wait_idle(served.backend, timeout=30)))
 
 
+def test_each_request_records_where_its_time_to_first_token_went(served: Served) -> None:
+    """Every process on the way stamps its part; the gateway's record of the request has each stage of the mode,
+    and the stages of the time to first token add up to it."""
+    import ray
+
+    ttft_stages = ["admission", "prefill_queue", "prefill_forward", "first_token_out"]
+    if served.mode == "disaggregated":
+        ttft_stages.insert(1, "controller_queue")
+    ids = []
+    with httpx.Client(base_url=served.url, timeout=60) as c:
+        for stream in (True, False):
+            body = {"prompt": [5, 6, 7, 8, 9] * 6, "max_tokens": 4, "ignore_eos": True, "stream": stream}
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            first = r.text.splitlines()[0].removeprefix("data: ") if stream else r.text
+            ids.append(json.loads(first)["id"])
+    monitor = served.backend.handles.monitor
+    for rid in ids:
+        deadline = time.monotonic() + 30
+        while (rec := ray.get(monitor.request.remote(rid))) is None:  # recorded without the response waiting
+            assert time.monotonic() < deadline, f"no record of {rid}"
+            time.sleep(0.1)
+        assert rec.stages is not None, rec
+        assert [s for s in rec.stages if s in ttft_stages] == ttft_stages, rec.stages
+        assert sum(rec.stages[s] for s in ttft_stages) == pytest.approx(rec.ttft_s, abs=1e-3)
+        assert rec.stages["overhead"] == pytest.approx(rec.ttft_s - rec.stages["prefill_forward"], abs=1e-3)
+        assert rec.prefill_s == rec.stages["prefill_forward"] > 0
+        if served.mode == "disaggregated":
+            # The hand-off to the decode worker, after the first token.
+            assert rec.stages["kv_transfer"] >= 0 and rec.stages["decode_join"] > 0, rec.stages
+            assert rec.queue_s == pytest.approx(rec.stages["controller_queue"] + rec.stages["prefill_queue"])
+        else:
+            assert "kv_transfer" not in rec.stages and "controller_queue" not in rec.stages, rec.stages
+
+
 def test_health_and_models_through_the_gateway(served: Served) -> None:
     with httpx.Client(base_url=served.url, timeout=30) as c:
         health = c.get("/health")

@@ -72,7 +72,14 @@ def _busy_monitor() -> Monitor:
         for i in range(5):
             mon.record_arrival("online", 100)
             mon.record_request(
-                request(f"s{step}-{i}", arrival=clock.t, e2e_s=0.5, slo_met=i != 0, ttft_s=0.02 * (i + 1))
+                request(
+                    f"s{step}-{i}",
+                    arrival=clock.t,
+                    e2e_s=0.5,
+                    slo_met=i != 0,
+                    ttft_s=0.02 * (i + 1),
+                    stages={"admission": 0.002, "prefill_forward": 0.01 * (i + 1), "kv_transfer": 0.004},
+                )
             )
         mon.record_request(request(f"o{step}", arrival=clock.t, priority_class="offline", e2e_s=0.5))
         mon.record_batch(BatchRecord("prefill-0", "prefill", 5, 400, 512, clock.t))
@@ -121,6 +128,14 @@ def test_charts_draw_dashboard_data() -> None:
     assert data["scaling_events"]["prefill"] == {"up": 2, "down": 1}
     assert ">3</span>" in view["scaling"] and "prefill +2 / \u22121, decode +0 / \u22120" in view["scaling"]
     assert "1 / 2" in view["health-headline"]
+    stages = view["stages-table"]
+    assert [m for m in re.findall(r'data-stage="(\w+)"', stages)] == [
+        "admission",
+        "prefill_forward",
+        "kv_transfer",
+    ]
+    assert "<td>prefill_forward</td><td>time to first token</td><td>60</td><td>30.0</td>" in stages
+    assert "<td>kv_transfer</td><td>hand-off to decode</td>" in stages
 
 
 def test_charts_when_nothing_has_happened() -> None:
@@ -129,3 +144,4 @@ def test_charts_when_nothing_has_happened() -> None:
     assert "no worker has reported yet" in view["workers-table"]
     assert "not pushed" in view["buckets-chart"]
     assert "no data in this window" in view["slo-chart"]
+    assert "no request with measured stages" in view["stages-table"]

@@ -13,6 +13,7 @@ import ray
 from bucket_manager.controller import restarted_actor
 from engine.request import RequestOutput
 from kv_transfer.config import is_wildcard
+from monitor import stages
 from monitor.records import WorkerStats
 from worker.config import WorkerConfig
 from worker.heartbeat import Heartbeat, engine_worker_stats
@@ -168,11 +169,13 @@ class EngineWorker:
 
     # ------------------------------------------------------------------ helpers
     def _timed_step(self) -> list[RequestOutput]:
+        start = time.time()
         t0 = time.perf_counter()
         outs = self.engine.step()
         ms = (time.perf_counter() - t0) * 1e3
         self._latency_ms = ms if self._latency_ms is None else 0.8 * self._latency_ms + 0.2 * ms
-        return outs
+        marks = {stages.FORWARD_START: start, stages.FORWARD_END: start + ms / 1e3}
+        return [o.marked(marks) if o.has_first_token else o for o in outs]
 
     def _check_integrity(self) -> bool:
         """free + used == total and no block held twice; False (and logged) when not."""

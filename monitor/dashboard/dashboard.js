@@ -148,6 +148,24 @@ function workersTableHtml(workers) {
   return `<table><thead>${head}</thead><tbody>${rows.join("") || '<tr><td colspan="12">no worker has reported yet</td></tr>'}</tbody></table>`;
 }
 
+// Where the time to first token goes, one row per stage in the order a request passes them (monitor/stages.py).
+const TTFT_STAGES = ["admission", "controller_queue", "prefill_queue", "prefill_forward", "first_token_out"];
+
+function stagesTableHtml(stages) {
+  const names = Object.keys(stages || {});
+  if (!names.length) {
+    return '<p class="empty">no request with measured stages in this window</p>';
+  }
+  const head = "<tr><th>stage</th><th>part of</th><th>requests</th><th>mean ms</th><th>p50 ms</th><th>p90 ms</th><th>p99 ms</th></tr>";
+  const rows = names.map((n) => {
+    const s = stages[n];
+    const part = TTFT_STAGES.includes(n) ? "time to first token" : n === "overhead" ? "TTFT less prefill forward" : "hand-off to decode";
+    return `<tr data-stage="${esc(n)}"><td>${esc(n)}</td><td>${part}</td><td>${fmtNumber(s.count, 0)}</td><td>${fmtNumber(s.mean_ms)}</td>` +
+      `<td>${fmtNumber(s.p50_ms)}</td><td>${fmtNumber(s.p90_ms)}</td><td>${fmtNumber(s.p99_ms)}</td></tr>`;
+  });
+  return `<table><thead>${head}</thead><tbody>${rows.join("")}</tbody></table>`;
+}
+
 // Everything the page shows, as {element id: inner HTML}; render() only writes these.
 function buildView(d) {
   const view = {};
@@ -189,6 +207,7 @@ function buildView(d) {
   view["kv-chart"] = lineChartSvg(d.t, workerIds.map((w) => ({ name: w, values: d.worker_kv_usage[w] })), { yMax: 1, yFormat: fmtPercent });
   view["mem-chart"] = lineChartSvg(d.t, workerIds.map((w) => ({ name: w, values: d.worker_free_memory_bytes[w] })), { yFormat: fmtBytes });
   view["workers-table"] = workersTableHtml(d.workers);
+  view["stages-table"] = stagesTableHtml(d.stages);
   return view;
 }
 

@@ -186,6 +186,10 @@ class KVTransport(ABC):
         return self.receiver.take(timeout)
 
     # -- sending ----------------------------------------------------------------------------------
+    def prepare(self, peer: str) -> None:  # noqa: B027  (optional hook: most backends connect for free)
+        """Open what reaching ``peer`` takes (a channel, its route) before the first transfer to it, so the first
+        request does not pay for it. Best effort: a peer that cannot be reached now fails its transfers by name."""
+
     def send(
         self, peer: str, request_id: str, block_ids: Sequence[int], num_tokens: int, first_token: int
     ) -> TransferMetrics:

@@ -167,6 +167,13 @@ class GrpcKVTransport(KVTransport):
             self._routes[peer] = route
         return route
 
+    def prepare(self, peer: str) -> None:
+        # The channel's connection and the route probe (one Stats call) cost the first handshake ~20 ms otherwise.
+        try:
+            self.route(peer)
+        except (KVTransferError, grpc.RpcError) as e:
+            log.debug("KV peer %s not reachable yet: %s", peer, e)
+
     def _chunk_bytes(self, peer: str) -> int:
         return self.config.shm_chunk_bytes if self.route(peer) == "shm" else self.config.chunk_bytes
 

@@ -57,7 +57,15 @@ class PrefillWorker(EngineWorker):
     # ------------------------------------------------------------------ remote API
     def set_decode_workers(self, peers: dict[str, DecodePeer]) -> None:
         with self._cond:
+            new = [p.kv_address for name, p in peers.items() if self._peers.get(name) != p]
             self._peers = dict(peers)
+        if new:
+            # Off the caller's thread: connecting is best effort, and the controller waits on this call.
+            threading.Thread(target=self._prepare, args=(new,), name="kv-prepare", daemon=True).start()
+
+    def _prepare(self, addresses: list[str]) -> None:
+        for address in addresses:
+            self.transport.prepare(address)
 
     def enqueue(
         self, batch_id: int, items: list[tuple[RequestMessage, str]], dispatched_at: float | None = None

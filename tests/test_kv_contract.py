@@ -145,6 +145,21 @@ def test_roundtrip_data_handshake_and_metrics(pair: Pair) -> None:
     pair.assert_no_leaks()
 
 
+def test_prepare_leaves_the_peer_ready_and_never_raises(pair: Pair) -> None:
+    # Ahead of the first transfer (a prefill worker learning its decode peers): best effort, idempotent.
+    pair.sender.prepare(pair.peer)
+    pair.sender.prepare(pair.peer)
+    pair.sender.prepare("127.0.0.1:1")  # nothing listens there: its transfers will say so, not this call
+    if pair.backend in ("grpc", "shm", "shm-zero-copy"):
+        assert pair.peer in pair.sender.stats()["routes"], (
+            "the route to the peer is known before any transfer"
+        )
+    ids = pair.blocks(5)
+    assert pair.sender.send(pair.peer, "after-prepare", ids, 5, first_token=1).status == "ok"
+    assert pair.endpoint.receive(10) is not None
+    pair.assert_no_leaks()
+
+
 def test_layer_by_layer_streaming_overlaps_writes(pair: Pair) -> None:
     ids = pair.blocks(21)
     pair.cache.data[:, :, ids] = 0.0

@@ -12,6 +12,15 @@ layers not yet sent (normally the last one) and the acknowledgement remain::
     outs = engine.prefill_only(reqs, on_layer_written=streamer.on_layer_written)
     results = streamer.finish()                      # request id -> TransferMetrics or KVTransferError
 
+The handshakes can also run while the forward pass computes (:meth:`begin_all`, then :meth:`begun` once the
+pass is over): the sender thread handshakes each request first, then sends the layers as they come, so the
+time to first token does not wait on the decode side's answer. A request its peer refused then went through
+the forward pass for nothing; :meth:`begun` names it, and its blocks are already freed::
+
+    streamer.begin_all([(peer, req.request_id, req.block_ids, req.num_tokens) for req, peer in batch])
+    outs = engine.prefill_only(reqs, on_layer_written=streamer.on_layer_written)
+    refused = streamer.begun()                       # request id -> KVTransferError
+
 The first token is sampled only after the last layer, so the handshake of a streamed transfer
 carries ``first_token = -1`` (:data:`FIRST_TOKEN_PENDING`); the decode side takes the token from the
 request's announcement instead. Ownership of the blocks is the transport's from :meth:`begin` on
@@ -31,6 +40,9 @@ from .types import KVTransferError, TransferMetrics, TransferStatus
 if TYPE_CHECKING:  # the transports (and torch) load with the worker that opens one
     from .base import KVTransport
 
+# One transfer to open: (peer, request id, block ids, number of tokens).
+_Begin = tuple[str, str, Sequence[int], int]
+
 log = logging.getLogger(__name__)
 
 # Handshake ``first_token`` of a transfer that starts before the first token is sampled.
@@ -45,11 +57,14 @@ class LayerStreamer:
         self._started: list[str] = []
         self._errors: dict[str, KVTransferError] = {}
         self._cancelled: set[str] = set()
-        # Layers written by the engine and not yet sent (at most num_layers + the stop marker).
-        self._layers: queue.Queue[int | None] = queue.Queue()
+        # Work for the sender thread, in order: the batch's handshakes (begin_all), then the layers written by
+        # the engine and not yet sent (at most num_layers), then the stop marker.
+        self._layers: queue.Queue[int | list[_Begin] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._finished = False
+        self._begins: threading.Event | None = None  # set once begin_all's handshakes are all done
+        self._refused: dict[str, KVTransferError] = {}
 
     @property
     def request_ids(self) -> list[str]:
@@ -76,21 +91,63 @@ class LayerStreamer:
         self._started.append(request_id)
         return True
 
+    def begin_all(self, transfers: Sequence[_Begin]) -> None:
+        """Lease and handshake each (peer, request id, block ids, num tokens) in the sender thread, ahead of the
+        layers, and return at once: the forward pass runs meanwhile. Call :meth:`begun` before relying on which
+        requests started. Ownership of each request's blocks passes to the transport when its handshake runs."""
+        if self._finished or self._begins is not None:
+            raise RuntimeError("LayerStreamer.begin_all: once per batch, before finish")
+        self._begins = threading.Event()
+        if not transfers:
+            self._begins.set()
+            return
+        self._ensure_thread()
+        self._layers.put(list(transfers))
+
+    def begun(self) -> dict[str, KVTransferError]:
+        """Wait for :meth:`begin_all`'s handshakes; the requests their peer refused (their blocks are freed, they
+        are not streamed), each with its error. Empty when begin_all was not called."""
+        if self._begins is not None:
+            self._begins.wait()
+        return dict(self._refused)
+
     def on_layer_written(self, layer: int) -> None:
         """The engine's per-layer hook: queue the layer for the sender thread, never block."""
-        if not self._started or self._finished:  # after finish() the rest goes with finish itself
+        if self._finished:  # after finish() the rest goes with finish itself
             return
+        if not self._started and (self._begins is None or self._begins.is_set()):
+            return  # nothing opened, and no handshake still to run: nothing to send
+        self._ensure_thread()
+        self._layers.put(layer)
+
+    def _ensure_thread(self) -> None:
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kv-layer-stream", daemon=True)
                 self._thread.start()
-        self._layers.put(layer)
+
+    def _begin_each(self, transfers: list[_Begin]) -> None:
+        try:
+            for peer, rid, block_ids, num_tokens in transfers:
+                try:
+                    self.begin(peer, rid, block_ids, num_tokens)
+                except Exception as e:  # begin_send raises KVTransferError only; anything else is a bug there
+                    log.exception("kv handshake of %s", rid)
+                    self._errors[rid] = KVTransferError(TransferStatus.UNAVAILABLE, repr(e), rid)
+                if rid in self._errors:
+                    self._refused[rid] = self._errors.pop(rid)
+        finally:
+            assert self._begins is not None
+            self._begins.set()
 
     def _run(self) -> None:
         while True:
             layer = self._layers.get()
             if layer is None:
                 return
+            if isinstance(layer, list):
+                self._begin_each(layer)
+                continue
             for rid in self._started:
                 if rid in self._errors:
                     continue
@@ -157,7 +214,8 @@ class LayerStreamer:
 
     def abort(self, reason: str = "aborted") -> dict[str, TransferMetrics | KVTransferError]:
         """Cancel every transfer of the batch (e.g. the prefill failed): frees blocks on both sides;
-        returns what :meth:`finish` would."""
+        returns what :meth:`finish` would, the requests refused at their handshake included."""
+        self._errors.update(self.begun())  # every handshake done first: none may start after the aborts
         for rid in list(self._started):
             if rid not in self._errors:
                 self._errors[rid] = KVTransferError(TransferStatus.ABORTED, reason, rid)

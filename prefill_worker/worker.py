@@ -153,36 +153,37 @@ class PrefillWorker(EngineWorker):
             time.sleep(0.002)
         reqs = [m.to_request() for m, _ in items]
         if streamer is not None:
-            items, reqs = self._begin_streams(items, reqs, streamer)
-            if not items:
-                return []
-        streamed = set(streamer.request_ids) if streamer is not None else set()
+            self._begin_streams(items, reqs, streamer)
         start = time.time()
         t0 = time.perf_counter()
         try:
             hook = streamer.on_layer_written if streamer is not None else None
             outs = self.engine.prefill_only(reqs, on_layer_written=hook)
         except BaseException:
-            if streamer is not None:
-                streamer.abort("prefill failed")  # the transport frees the streamed requests' blocks
-            for r in reqs:
+            # Every transfer opened (or refused) is ended, and the transport frees those requests' blocks.
+            opened = set(streamer.abort("prefill failed")) if streamer is not None else set()
+            for (_, decode_id), r in zip(items, reqs, strict=True):
                 req = self.engine.detach(r.request_id)
-                if r.request_id in streamed:
-                    self._forget_on(items[reqs.index(r)][1], r.request_id)
+                if r.request_id in opened:
+                    self._forget_on(decode_id, r.request_id)
                     req.block_ids = []
                 else:
                     self._drop(req)
             raise
         ms = (time.perf_counter() - t0) * 1e3
         self._latency_ms = ms if self._latency_ms is None else 0.8 * self._latency_ms + 0.2 * ms
+        self._record_batch(reqs)
+        # The requests whose decode worker refused the handshake (full, unreachable) went through the forward pass
+        # for nothing: their first token is not sent (a re-plan samples it again), their blocks are already freed.
+        refused = streamer.begun() if streamer is not None else {}
+        computed = list(zip(items, reqs, outs, strict=True))
+        kept = [(item, r, o) for item, r, o in computed if r.request_id not in refused]
         marks = {stages.FORWARD_START: start, stages.FORWARD_END: start + ms / 1e3}
         if dispatched_at is not None:
             marks[stages.DISPATCHED] = dispatched_at
-        outs = [o.marked(marks) for o in outs]
-        self.outputs.put_many((m.consumer_id, o) for (m, _), o in zip(items, outs, strict=True))
-        self._record_batch(reqs)
+        self.outputs.put_many((m.consumer_id, o.marked(marks)) for (m, _), _, o in kept)
         sends = []
-        for (msg, decode_id), r in zip(items, reqs, strict=True):
+        for (msg, decode_id), r, _ in kept:
             req = self.engine.detach(r.request_id)
             if req.finished:  # done at its first token (EOS, max_tokens=1): nothing to decode
                 if streamer is not None and streamer.cancel(req.request_id, "finished at its first token"):
@@ -192,34 +193,30 @@ class PrefillWorker(EngineWorker):
                     self._drop(req)
             else:
                 sends.append((msg, req, decode_id))
+        for (msg, decode_id), r, _ in computed:
+            err = refused.get(r.request_id)
+            if err is None:
+                continue
+            self.engine.detach(r.request_id).block_ids = []  # freed by the transport
+            # Named: the gateway shows it, and it may be the first news of that worker's death to reach the client.
+            full = decode_id if err.receiver_full else None
+            self._give_back(msg, f"KV transfer to {decode_id} refused: {err}", full)
         self.heartbeat.push()
         return sends
 
     def _begin_streams(
         self, items: list[tuple[RequestMessage, str]], reqs: list[Request], streamer: LayerStreamer
-    ) -> tuple[list[tuple[RequestMessage, str]], list[Request]]:
-        """Allocate the batch's blocks and open each request's transfer before the forward pass, so layers go
-        as they are written. A request whose decode worker refuses the handshake (full, unreachable) leaves
-        the batch and is re-planned; the transport has already freed its blocks."""
+    ) -> None:
+        """Allocate the batch's blocks and hand the streamer each request's handshake: its thread runs them while
+        the forward pass computes, then sends the layers as they are written. A request whose decode worker is
+        not known here opens no transfer: it goes the unstreamed way and fails there by name."""
         self.engine.allocate_prompts(reqs)
-        kept_items, kept_reqs = [], []
-        for (msg, decode_id), r in zip(items, reqs, strict=True):
+        opens = []
+        for (_, decode_id), r in zip(items, reqs, strict=True):
             peer = self._peers.get(decode_id)
-            if peer is None:
-                # No transfer to open: this request goes the unstreamed way and fails there by name.
-                kept_items.append((msg, decode_id))
-                kept_reqs.append(r)
-                continue
-            if streamer.begin(peer.kv_address, r.request_id, r.block_ids, r.num_tokens):
-                kept_items.append((msg, decode_id))
-                kept_reqs.append(r)
-                continue
-            err = streamer.finish([r.request_id])[r.request_id]
-            self.engine.detach(r.request_id).block_ids = []  # freed by the transport
-            full = isinstance(err, KVTransferError) and err.receiver_full
-            # Named: the gateway shows it, and it may be the first news of that worker's death to reach the client.
-            self._give_back(msg, f"KV transfer to {decode_id} refused: {err}", decode_id if full else None)
-        return kept_items, kept_reqs
+            if peer is not None:
+                opens.append((peer.kv_address, r.request_id, list(r.block_ids), r.num_tokens))
+        streamer.begin_all(opens)
 
     def _forget_on(self, decode_id: str, rid: str) -> None:
         peer = self._peers.get(decode_id)

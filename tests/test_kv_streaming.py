@@ -156,3 +156,46 @@ def test_finish_and_cancel_one_request_at_a_time(engine, endpoint, sender) -> No
     rest = streamer.finish()
     assert list(rest) == ["drop"] and rest["drop"].status is TransferStatus.ABORTED
     assert sender.stats()["sending"] == 0 and streamer.finish() == {}
+
+
+def test_handshakes_run_during_the_forward_pass_and_a_refusal_is_named_after_it(
+    engine, endpoint, sender
+) -> None:
+    # begin_all returns at once: the sender thread handshakes while the forward computes. One request is too big
+    # for the receiver: refused, its blocks freed by the transport; the other streams and arrives intact.
+    n_full = (RECEIVER_BLOCKS + 1) * engine.kv_spec.block_size
+    ok = _request(engine, "overlap-ok", 40, seed=7)
+    full = Request("overlap-full", random_prompts([n_full], seed=8)[0], SamplingParams(max_tokens=2))
+    full.block_ids = engine.allocator.allocate(engine.kv_spec.blocks_for_tokens(n_full))
+    streamer = LayerStreamer(sender)
+    streamer.begin_all(
+        [(endpoint.address, r.request_id, list(r.block_ids), r.num_tokens) for r in (full, ok)]
+    )
+    with pytest.raises(RuntimeError, match="once per batch"):
+        streamer.begin_all([])
+    engine.prefill_only([ok], on_layer_written=streamer.on_layer_written)
+    refused = streamer.begun()
+    assert list(refused) == ["overlap-full"] and refused["overlap-full"].receiver_full
+    assert streamer.owns("overlap-ok") and not streamer.owns("overlap-full")
+    full.block_ids = []  # freed by the transport on refusal
+    want = gather_tokens(engine.kv_cache, ok.block_ids, 40).clone()
+    engine.detach("overlap-ok")
+    results = streamer.finish()
+    assert list(results) == ["overlap-ok"] and results["overlap-ok"].status == "ok"
+    got = endpoint.receive(10)
+    assert got["request_id"] == "overlap-ok" and torch.equal(got["data"], want)
+    _assert_no_leaks(engine, endpoint, sender)
+
+
+def test_an_abort_during_the_handshakes_waits_for_them_and_frees_everything(engine, endpoint, sender) -> None:
+    reqs = [_request(engine, f"early-abort-{i}", 30, seed=10 + i) for i in range(3)]
+    streamer = LayerStreamer(sender)
+    streamer.begin_all([(endpoint.address, r.request_id, list(r.block_ids), r.num_tokens) for r in reqs])
+    streamer.on_layer_written(0)
+    results = streamer.abort("prefill failed")  # may run before the thread has handshaked any of them
+    assert sorted(results) == sorted(r.request_id for r in reqs)
+    assert all(isinstance(e, KVTransferError) for e in results.values())
+    for r in reqs:
+        r.block_ids = []  # the transport frees them: aborted, or never leased
+    assert endpoint.receive(0.5) is None
+    _assert_no_leaks(engine, endpoint, sender)

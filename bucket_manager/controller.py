@@ -21,6 +21,7 @@ import ray
 
 from bucket_manager.autoscale import ROLES, ScalingConfig, ScalingState, idle, pressure
 from bucket_manager.dispatcher import SCHEDULING, Dispatcher, DispatcherConfig, check_planning_config
+from bucket_manager.lending import LendingPolicy
 from bucket_manager.priority import PriorityPolicy
 from bucket_manager.request import RequestSummary
 from bucket_manager.request_buckets import RequestBuckets
@@ -56,6 +57,8 @@ class ControllerConfig:
     # Prefill attempts of one request (a decode worker refused or died, a transfer failed) before it fails.
     max_attempts: int = 4
     scheduling: str = "buckets"
+    # Elastic prefill: decode workers with slack run prompt batches themselves (bucket_manager/lending.py).
+    lending: LendingPolicy = field(default_factory=LendingPolicy)
     # The cluster's workers as (role, Ray actor name): a restarted controller finds them by name and rebuilds its
     # ledger from what they hold (empty: it waits for register_workers, as a first start does).
     workers: tuple[tuple[str, str], ...] = ()
@@ -634,6 +637,21 @@ class Controller:
 
     def _plan_all(self) -> None:
         for batch in self.dispatcher.plan(time.time()):
+            if batch.lent:
+                # A decode worker with slack prefills this batch in its own steps, then decodes it.
+                logger.info(
+                    "lent batch %d (%d prompts) to decode worker %s: the prefill workers are busy",
+                    batch.batch_id,
+                    len(batch.payloads),
+                    batch.decode_id,
+                )
+                if self._monitor is not None:
+                    with contextlib.suppress(Exception):
+                        self._monitor.record_lent_batch.remote(batch.decode_id, len(batch.payloads))
+                self.handles[batch.decode_id].run_prompts.remote(
+                    batch.batch_id, list(batch.payloads), time.time()
+                )
+                continue
             items = [(payload, batch.decode_id) for payload in batch.payloads]
             self.handles[batch.prefill_id].enqueue.remote(batch.batch_id, items, time.time())
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bucket_manager.batch_plan import BatchPlan, plan_batch
+from bucket_manager.lending import LendingPolicy, batch_token_budget, lend_instead
 from bucket_manager.memory_budget import MemoryBudget, WorkerLoad, blocks_for, choose_workers
 from bucket_manager.priority import PriorityPolicy
 from bucket_manager.request import PriorityClass, RequestSummary
@@ -71,6 +72,8 @@ class DispatcherConfig:
     # Prefill attempts of one request (a decode worker refused or died, a transfer failed) before it fails.
     max_attempts: int = 4
     scheduling: str = "buckets"
+    # Elastic prefill (bucket_manager/lending.py): decode workers with slack run prompt batches themselves.
+    lending: LendingPolicy = field(default_factory=LendingPolicy)
 
     def __post_init__(self) -> None:
         check_planning_config(self)
@@ -78,7 +81,8 @@ class DispatcherConfig:
 
 @dataclass(frozen=True)
 class Dispatch:
-    """One batch to hand to a prefill worker; ``payloads`` are the submitted payloads, in the plan's order."""
+    """One batch to hand to a prefill worker; ``payloads`` are the submitted payloads, in the plan's order. A lent
+    batch (``prefill_id == decode_id``) goes to a decode worker that prefills it in its own steps."""
 
     batch_id: int
     prefill_id: str
@@ -89,6 +93,10 @@ class Dispatch:
     @property
     def request_ids(self) -> tuple[str, ...]:
         return self.plan.request_ids
+
+    @property
+    def lent(self) -> bool:
+        return self.prefill_id == self.decode_id
 
 
 class Dispatcher:
@@ -116,6 +124,7 @@ class Dispatcher:
         self.online_streak = 0
         self.batches = 0
         self.bucket_splits = 0
+        self.lent_batches = 0
         self.max_request_buckets = 1
         self._batch_seq = 0
         self._queued_prompt = 0
@@ -264,11 +273,14 @@ class Dispatcher:
         # The prefill reservation stays until batch_done: the blocks are in use there until then.
 
     def batch_done(self, prefill_id: str, batch_id: int) -> None:
-        """Every request of the batch has left the prefill worker: their prompt reservations end."""
+        """Every request of the batch has left the prefill worker: their prompt reservations end. For a lent batch
+        (a decode worker's id): its prompts are prefilled; the requests' reservations stay until they end."""
         w = self.prefill.get(prefill_id)
         if w is not None:
             for rid in w.outstanding.pop(batch_id, ()):
                 w.reserved.pop(rid, None)
+        elif prefill_id in self.decode:
+            self.decode[prefill_id].outstanding.pop(batch_id, None)
 
     def requeue(self, request_id: str) -> bool:
         """A prefilled request could not reach its decode worker: queue it again, or give it up (False) after
@@ -299,6 +311,9 @@ class Dispatcher:
             ]
             dead_prefill.outstanding.clear()
             dead_prefill.reserved.clear()
+        dead_decode = self.decode.get(worker_id)
+        if dead_decode is not None:
+            dead_decode.outstanding.clear()  # its lent batches: their requests are among on_decode
         return on_decode, in_batches
 
     def give_up(self, lost: list[str]) -> list[str]:
@@ -316,6 +331,8 @@ class Dispatcher:
         """Dispatch batches while the queue holds requests, a prefill worker has room and the most urgent
         request fits; ``now`` is on the clock of the requests' ``arrival``."""
         dispatched: list[Dispatch] = []
+        # The round's share is of what is queued when it starts: each batch of the round gets the same.
+        queued_at_start = self._queued_prompt
         while len(self.queue):
             prefill = [
                 WorkerLoad(w.worker_id, w.free_blocks(self._reported.get(w.worker_id)), len(w.outstanding))
@@ -327,12 +344,38 @@ class Dispatcher:
                 for w in self.decode.values()
                 if self._usable(w)
             ]
-            if not prefill or not decode:
-                break
-            p, d = choose_workers(prefill, decode)
-            budget = MemoryBudget.for_workers(
-                p, d, self.config.block_size, self.config.max_num_batched_tokens, reserve_output=True
+            lending = self.config.lending
+            lenders = (
+                [
+                    WorkerLoad(
+                        w.worker_id, w.free_blocks(self._reported.get(w.worker_id)), len(w.outstanding)
+                    )
+                    for w in self.decode.values()
+                    if self._usable(w) and lending.can_lend(self._decoding(w), len(w.outstanding))
+                ]
+                if lending.enabled
+                else []
             )
+            if not decode or not (prefill or lenders):
+                break
+            tokens = self.config.max_num_batched_tokens
+            longest = self.queue.longest_prompt() if lending.enabled else 0
+            if lending.enabled:
+                # Every worker that may run prompts, busy or not: none takes the whole queue while another could
+                # share it.
+                runners = len(self.usable("prefill")) + sum(
+                    1 for w in self.usable("decode") if lending.can_lend(self._decoding(w), 0)
+                )
+                tokens = batch_token_budget(queued_at_start, longest, runners, tokens)
+            if lend_instead([w.queue_len for w in prefill], len(lenders), longest, lending.max_tokens):
+                # Every prefill worker already holds a batch: a decode worker with slack prefills this one itself.
+                p = d = max(lenders, key=lambda w: (w.free_blocks, w.worker_id))
+                tokens = min(tokens, lending.max_tokens)
+            elif prefill:
+                p, d = choose_workers(prefill, decode)
+            else:
+                break
+            budget = MemoryBudget.for_workers(p, d, self.config.block_size, tokens, reserve_output=True)
             n = len(self.queue)
             n_max = budget.capacity(
                 self._queued_prompt / n,
@@ -349,8 +392,16 @@ class Dispatcher:
             plan = plan_batch(self.queue, self.shapes, budget, self.config.policy, now, self.online_streak)
             if plan is None:
                 break  # the most urgent request does not fit yet: wait for blocks to come back
-            dispatched.append(self._dispatch(plan, self.prefill[p.worker_id], self.decode[d.worker_id]))
+            executor = self.decode[p.worker_id] if p is d else self.prefill[p.worker_id]
+            dispatched.append(self._dispatch(plan, executor, self.decode[d.worker_id]))
         return dispatched
+
+    def _decoding(self, w: WorkerLedger) -> int:
+        """Requests a decode worker decodes now: those it holds whose prompts are no longer in a prefill batch
+        (requests still being prefilled elsewhere join it later, at its next step)."""
+        in_prefill = {rid for p in self.prefill.values() for rids in p.outstanding.values() for rid in rids}
+        in_prefill.update(rid for rids in w.outstanding.values() for rid in rids)
+        return sum(1 for rid in w.reserved if rid not in in_prefill)
 
     def _dispatch(self, plan: BatchPlan, p: WorkerLedger, d: WorkerLedger) -> Dispatch:
         self._batch_seq += 1
@@ -364,6 +415,7 @@ class Dispatcher:
         p.outstanding[self._batch_seq] = plan.request_ids
         self.online_streak = 0 if plan.priority_class.value == "offline" else self.online_streak + 1
         self.batches += 1
+        self.lent_batches += p is d
         payloads = tuple(self.payloads[rid] for rid in plan.request_ids)
         return Dispatch(self._batch_seq, p.worker_id, d.worker_id, plan, payloads)
 
@@ -388,6 +440,7 @@ class Dispatcher:
             "buckets": self.queue.bounds(),
             "bucket_sizes": self.queue.sizes(),
             "batches": self.batches,
+            "lent_batches": self.lent_batches,
             "in_cluster": len(self.request_ids()),
             "prefill": {
                 w.worker_id: {
@@ -401,6 +454,7 @@ class Dispatcher:
                 w.worker_id: {
                     "reserved": w.reserved_blocks(),
                     "requests": len(w.reserved),
+                    "lent_batches": len(w.outstanding),
                     "alive": w.alive,
                 }
                 for w in self.decode.values()

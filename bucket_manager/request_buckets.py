@@ -81,6 +81,10 @@ class RequestBuckets:
     def get(self, request_id: str) -> RequestSummary:
         return self._entries[request_id][0]
 
+    def longest_prompt(self) -> int:
+        """The longest queued prompt (0 when empty); O(n)."""
+        return max((entry[0].prompt_len for entry in self._entries.values()), default=0)
+
     @property
     def num_buckets(self) -> int:
         return len(self._buckets)

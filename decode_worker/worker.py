@@ -19,13 +19,13 @@ import time
 
 import ray
 
-from engine.request import RequestOutput
+from engine.request import FinishReason, RequestOutput, RequestRejected
 from kv_transfer import ReceivedKV
 from monitor import stages
 from worker.actor import EngineWorker
 from worker.config import WorkerConfig
 from worker.info import DecodePeer, WorkerInfo
-from worker.messages import PrefilledMessage
+from worker.messages import PrefilledMessage, RequestMessage
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,12 @@ class DecodeWorker(EngineWorker):
         self._aborts: queue.SimpleQueue[tuple[str, threading.Event]] = queue.SimpleQueue()
         # Request id -> when the loop took its KV into the engine, until its first output here carries it (loop only).
         self._joined_at: dict[str, float] = {}
+        # Prompt batches the controller lent this worker (elastic prefill), until the loop adds them to the engine.
+        self._lent_in: queue.SimpleQueue[tuple[int, list[RequestMessage], float]] = queue.SimpleQueue()
+        # Lent batch id -> its requests whose first token is not out yet; request id -> its batch (loop only).
+        self._lent: dict[int, set[str]] = {}
+        self._lent_batch: dict[str, int] = {}
+        self._lent_dispatched: dict[str, float] = {}
         self._start(self._loop)
 
     # ------------------------------------------------------------------ remote API
@@ -70,6 +76,24 @@ class DecodeWorker(EngineWorker):
             self._reserved[rid] = need_blocks
             self._consumer[rid] = msg.request.consumer_id
         return True
+
+    def run_prompts(
+        self, batch_id: int, msgs: list[RequestMessage], dispatched_at: float | None = None
+    ) -> None:
+        """A batch of prompts the controller lends this worker while it has slack (``bucket_manager/lending.py``):
+        prefilled in its own engine steps (no KV transfer: the blocks are its own), then decoded here. The
+        controller hears ``batch_done`` once every prompt of it has its first token (or has ended)."""
+        max_len = self.engine.config.scheduler.max_model_len
+        kept = []
+        with self._lock:
+            for m in msgs:
+                if m.request_id in self._tombstones:
+                    continue
+                need = -(-min(m.num_prompt_tokens + m.sampling.max_tokens, max_len) // self.engine.block_size)
+                self._reserved[m.request_id] = need
+                self._consumer[m.request_id] = m.consumer_id
+                kept.append(m)
+        self._lent_in.put((batch_id, kept, time.time() if dispatched_at is None else dispatched_at))
 
     def forget(self, request_id: str) -> None:
         """Drop an announcement whose KV will not come (the transfer failed; the request is recomputed), or KV
@@ -148,6 +172,8 @@ class DecodeWorker(EngineWorker):
         outs = self._timed_step()
         if self._joined_at:
             outs = self._stamp_joins(outs)
+        if self._lent_batch:
+            outs = self._stamp_lent(outs)
         routed = []
         finished = []
         with self._lock:
@@ -169,6 +195,19 @@ class DecodeWorker(EngineWorker):
                 controller.release.remote(rid)
         self.heartbeat.push()
 
+    def _stamp_lent(self, outs: list[RequestOutput]) -> list[RequestOutput]:
+        """The first output of a lent request carries when the controller sent its batch (the forward marks come
+        from the step); each first token (or end) counts down its batch."""
+        stamped = []
+        for out in outs:
+            if out.request_id in self._lent_batch and (out.has_first_token or out.finished):
+                dispatched_at = self._lent_dispatched.get(out.request_id)
+                if dispatched_at is not None and out.has_first_token:
+                    out = out.marked({stages.DISPATCHED: dispatched_at})
+                self._lent_started(out.request_id)
+            stamped.append(out)
+        return stamped
+
     def _stamp_joins(self, outs: list[RequestOutput]) -> list[RequestOutput]:
         """The first output here of each request just joined carries when its KV was taken and when this step
         ended: the hand-off stages (``monitor/stages.py``)."""
@@ -181,7 +220,59 @@ class DecodeWorker(EngineWorker):
             stamped.append(out)
         return stamped
 
+    def _take_lent(self) -> None:
+        """Add the lent prompt batches to the engine (loop thread only): its scheduler prefills them in chunks
+        mixed into the decode steps."""
+        while True:
+            try:
+                batch_id, msgs, dispatched_at = self._lent_in.get_nowait()
+            except queue.Empty:
+                return
+            pending = set()
+            for m in msgs:
+                with self._lock:
+                    if m.request_id in self._tombstones:
+                        self._reserved.pop(m.request_id, None)
+                        self._consumer.pop(m.request_id, None)
+                        continue
+                try:
+                    self.engine.add_request(m.to_request())
+                except (RequestRejected, ValueError) as e:
+                    with self._lock:
+                        self._reserved.pop(m.request_id, None)
+                        self._consumer.pop(m.request_id, None)
+                    err = RequestOutput(
+                        m.request_id, [], [], True, FinishReason.ERROR, m.num_prompt_tokens, 0, error=str(e)
+                    )
+                    self.outputs.put(m.consumer_id, [err])
+                    continue
+                pending.add(m.request_id)
+                self._lent_batch[m.request_id] = batch_id
+                self._lent_dispatched[m.request_id] = dispatched_at
+            self._lent[batch_id] = pending
+            if not pending:
+                self._lent_done(batch_id)
+
+    def _lent_started(self, request_id: str) -> None:
+        """A lent request has its first token (or has ended): its batch is done once all of them have."""
+        batch_id = self._lent_batch.pop(request_id, None)
+        self._lent_dispatched.pop(request_id, None)
+        if batch_id is None:
+            return
+        pending = self._lent.get(batch_id)
+        if pending is not None:
+            pending.discard(request_id)
+            if not pending:
+                self._lent_done(batch_id)
+
+    def _lent_done(self, batch_id: int) -> None:
+        self._lent.pop(batch_id, None)
+        controller = self._get_controller()
+        if controller is not None:
+            controller.batch_done.remote(self.config.worker_id, batch_id)
+
     def _admit(self, timeout: float) -> None:
+        self._take_lent()
         kv = self.transport.receive(timeout)
         while kv is not None:
             self._join(kv)
@@ -214,6 +305,7 @@ class DecodeWorker(EngineWorker):
                 return
             self.engine.abort(rid)
             self._joined_at.pop(rid, None)
+            self._lent_started(rid)
             self.transport.abort(rid, "aborted by client")
             with self._lock:
                 self._expected.pop(rid, None)

@@ -21,6 +21,7 @@ from ray.actor import ActorHandle
 
 from bucket_manager.autoscale import ScalingConfig
 from bucket_manager.controller import Controller, ControllerConfig
+from bucket_manager.lending import LendingPolicy
 from bucket_manager.priority import PriorityPolicy
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
@@ -58,6 +59,9 @@ class ClusterConfig:
     # Controller scheduling: "buckets" (adaptive request buckets + priority policy) or "fcfs" (one bucket,
     # arrival order: the baseline the benchmarks compare against).
     scheduling: str = "buckets"
+    # Elastic prefill: a decode worker that decodes nothing lends its steps to prompt batches while every prefill
+    # worker already holds one, and a burst is split over the idle workers (bucket_manager/lending.py).
+    elastic: bool = True
     # Ray: None starts a local cluster in-process; "auto" or "ray://host:port" joins one.
     ray_address: str | None = None
     ray_num_cpus: int | None = None
@@ -172,6 +176,8 @@ class ClusterConfig:
             )
         if self.scheduling not in ("buckets", "fcfs"):
             raise ValueError(f"ClusterConfig.scheduling must be 'buckets' or 'fcfs', got {self.scheduling!r}")
+        if not isinstance(self.elastic, bool):
+            raise ValueError(f"ClusterConfig.elastic must be a bool, got {self.elastic!r}")
         if not self.name or not self.namespace:
             raise ValueError("ClusterConfig.name and ClusterConfig.namespace must be non-empty")
 
@@ -526,6 +532,7 @@ def controller_config(config: ClusterConfig, info: WorkerInfo) -> ControllerConf
         policy=config.policy,
         max_batches_per_prefill_worker=config.max_batches_per_prefill_worker,
         scheduling=config.scheduling,
+        lending=LendingPolicy(enabled=config.elastic and config.mode == "disaggregated"),
         workers=tuple((role, name) for role, name in config.worker_ids() if role in ("prefill", "decode")),
         scaling=config.scaling,
     )

@@ -70,6 +70,8 @@ METRIC_NAMES: tuple[str, ...] = tuple(PREFIX + name for name, _, _ in HISTOGRAMS
         "request_slo_met",
         "kv_transfer_bytes",
         "scaling_events",
+        "lent_prompt_batches",
+        "lent_prompts",
         "slo_attainment_ratio",
         "bucket_count",
         "bucket_queue_depth",
@@ -164,7 +166,23 @@ def _request_families(totals: dict[str, float], model_name: str) -> Iterable[Met
     for role in ("prefill", "decode"):
         for direction in ("up", "down"):
             scaling.add_metric([model_name, role, direction], totals.get(f"scale|{role}|{direction}", 0.0))
-    return [prompt, generation, success, failure, met, kv_bytes, scaling]
+    lent = CounterMetricFamily(
+        PREFIX + "lent_prompt_batches",
+        "Prompt batches a decode worker prefilled itself (elastic prefill: the prefill workers were busy).",
+        labels=["model_name", "worker"],
+    )
+    lent_prompts = CounterMetricFamily(
+        PREFIX + "lent_prompts",
+        "Prompts a decode worker prefilled itself (elastic prefill).",
+        labels=["model_name", "worker"],
+    )
+    for key, value in sorted(totals.items()):
+        kind, _, worker = key.partition("|")
+        if kind == "lent":
+            lent.add_metric([model_name, worker], value)
+        elif kind == "lentp":
+            lent_prompts.add_metric([model_name, worker], value)
+    return [prompt, generation, success, failure, met, kv_bytes, scaling, lent, lent_prompts]
 
 
 def _window_families(store: MonitorStore, model_name: str, window_s: float) -> Iterable[Metric]:

@@ -75,6 +75,11 @@ class Monitor:
         (``scaling_events_total{role, direction}``)."""
         self.store.add_scaling(role, direction)
 
+    def record_lent_batch(self, worker_id: str, prompts: int) -> None:
+        """The controller lent decode worker ``worker_id`` a batch of ``prompts`` prompts to prefill itself
+        (``lent_prompt_batches_total`` / ``lent_prompts_total{worker}``)."""
+        self.store.add_lent_batch(worker_id, prompts)
+
     def record_batch(self, rec: BatchRecord) -> None:
         """One executed batch: batch-size histogram and padding waste."""
         self.store.add_batch(rec)

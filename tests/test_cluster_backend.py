@@ -248,3 +248,55 @@ def test_actors_find_each_other_in_the_clusters_namespace_not_the_drivers(ray_se
         assert_no_leaks(asyncio.run(wait_idle(backend)))
     finally:
         asyncio.run(backend.shutdown())
+
+
+def test_elastic_prefill_lends_a_burst_to_the_idle_decode_worker(ray_session, hf_reference):
+    """serve's default (--elastic on): while the prefill worker holds a batch, the decode worker prefills prompts
+    itself (no KV transfer). Exact answers, including requests whose client leaves after the first token, no
+    block leaked on either worker, and the lending on /metrics."""
+    backend = RayClusterBackend(cluster_config("disaggregated", "t-elastic", elastic=True))
+    try:
+        rng = random.Random(5)
+        reqs = [make_request(f"el{i}", rng.randint(40, 120), rng.randint(2, 10), seed=6) for i in range(12)]
+        leaving = {r.request_id for r in reqs[3::4]}
+
+        async def leave_early(req):
+            async for out in backend.generate(req):
+                if out.new_token_ids:
+                    return None  # the client goes away after its first token
+
+        async def run():
+            return await asyncio.gather(
+                *(leave_early(r) if r.request_id in leaving else collect(backend, r) for r in reqs)
+            )
+
+        for req, got in zip(reqs, asyncio.run(run()), strict=True):
+            if req.request_id in leaving:
+                continue
+            assert got.error is None, got.error
+            assert got.tokens == hf_reference("tiny", "cpu").greedy(
+                req.prompt_token_ids, req.sampling.max_tokens, ignore_eos=True
+            ), req.request_id
+        assert_no_leaks(asyncio.run(wait_idle(backend)))
+        state = ray.get(backend.handles.controller.state.remote())
+        assert state["lent_batches"] >= 1, state
+        assert all(d["lent_batches"] == 0 and d["requests"] == 0 for d in state["decode"].values()), state
+        text = asyncio.run(backend.metrics_text())
+        assert 'bucketserve:lent_prompts_total{model_name="tiny",worker="t-elastic:decode-0"}' in text
+    finally:
+        asyncio.run(backend.shutdown())
+
+
+def test_without_elastic_prefill_every_prompt_goes_to_the_prefill_worker(ray_session):
+    backend = RayClusterBackend(cluster_config("disaggregated", "t-rigid", elastic=False))
+    try:
+        reqs = [make_request(f"rg{i}", 80, 4, seed=2) for i in range(12)]
+
+        async def run():
+            return await asyncio.gather(*(collect(backend, r) for r in reqs))
+
+        assert all(got.error is None for got in asyncio.run(run()))
+        assert_no_leaks(asyncio.run(wait_idle(backend)))
+        assert ray.get(backend.handles.controller.state.remote())["lent_batches"] == 0
+    finally:
+        asyncio.run(backend.shutdown())

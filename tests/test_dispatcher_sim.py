@@ -23,6 +23,7 @@ from test_simulator import COST
 import bucket_manager.controller as controller_module
 from bench.simulator.sim import SimConfig, SimRequest, Simulator
 from bucket_manager.controller import Controller, ControllerConfig
+from bucket_manager.lending import LendingPolicy
 from bucket_manager.priority import PriorityPolicy
 from bucket_manager.request import PriorityClass
 from bucket_manager.shape_buckets import ShapeBucketConfig
@@ -64,6 +65,7 @@ def sim_config(scheduling: str, online_order: str) -> SimConfig:
         decode_workers=2,
         policy=PriorityPolicy(online_order=online_order, max_online_wait_s=0.5),
         request_buckets=scheduling == "buckets",
+        lending=LendingPolicy(enabled=True),  # serve's default (--elastic on)
     )
 
 
@@ -136,6 +138,16 @@ class _PrefillWorker:
         self.enqueue = SimpleNamespace(remote=enqueue)
 
 
+class _DecodeWorker:
+    """Records the prompt batches the controller lends it (elastic prefill)."""
+
+    def __init__(self, worker_id: str, sent: list[Batch]) -> None:
+        def run_prompts(batch_id: int, payloads: list[object], dispatched_at: float) -> None:
+            sent.append((batch_id, worker_id, worker_id, tuple(str(p) for p in payloads)))
+
+        self.run_prompts = SimpleNamespace(remote=run_prompts)
+
+
 def replay_on_controller(
     config: ControllerConfig, sim: Simulator, calls: list[tuple], monkeypatch: pytest.MonkeyPatch
 ) -> tuple[Controller, list[Batch]]:
@@ -153,7 +165,7 @@ def replay_on_controller(
     async def replay() -> Controller:
         controller = Controller(config)
         prefill = {p.wid: (_PrefillWorker(p.wid, sent), p.ledger.total_blocks) for p in sim.prefill}
-        decode = {d.wid: (object(), d.ledger.total_blocks) for d in sim.decode}
+        decode = {d.wid: (_DecodeWorker(d.wid, sent), d.ledger.total_blocks) for d in sim.decode}
         await controller.register_workers(prefill, decode)
         for name, now, args, _ in calls:
             clock["now"] = now
@@ -195,8 +207,10 @@ def test_simulator_and_controller_dispatch_the_same_batches(
     assert sent == planned
     # The comparison has substance: many batches, over both prefill and both decode workers, every request once.
     assert len(planned) >= 30
-    assert {b[1] for b in planned} == {"prefill-0", "prefill-1"}
+    assert {b[1] for b in planned if b[1] != b[2]} == {"prefill-0", "prefill-1"}
     assert {b[2] for b in planned} == {"decode-0", "decode-1"}
+    # Elastic prefill (serve's default) too: batches lent to a decode worker, planned alike on both ends.
+    assert any(b[1] == b[2] for b in planned)
     order = [rid for b in planned for rid in b[3]]
     assert sorted(order) == sorted(r.rid for r in requests)
     # Both ends agree on the ledgers at the end too: nothing queued, nothing reserved.

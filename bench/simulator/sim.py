@@ -173,6 +173,12 @@ class Simulator:
         """The controller's planning round: every batch the dispatcher plans goes to its prefill worker."""
         d = self.dispatcher
         for batch in d.plan(self.now):
+            if batch.lent:
+                # Elastic prefill: the decode worker runs the prompts as its next step, then decodes them.
+                dec = self._decode_by_id[batch.decode_id]
+                dec.lent.append((batch.batch_id, batch.plan))
+                self._decode_kick(dec)
+                continue
             p = self._prefill_by_id[batch.prefill_id]
             p.unsent[batch.batch_id] = set(batch.request_ids)
             p.queue.append((batch.batch_id, batch.plan, batch.decode_id))
@@ -251,6 +257,16 @@ class Simulator:
     def _decode_kick(self, d: DecodeState) -> None:
         if d.busy:
             return
+        if d.lent:
+            # A lent prompt batch takes the worker's next step (its decodes wait one prompt step: the guard bounds it).
+            batch_id, plan = d.lent.popleft()
+            b, q = self._prefill_shape(plan)
+            d.busy = True
+            self.stats["prefill_batches"] += 1
+            self.stats["real_prompt_tokens"] += plan.real_tokens
+            self.stats["padded_prompt_tokens"] += b * q - plan.real_tokens
+            self._work(d.wid, "prefill", self.cost.prefill_s(b, q), self._lent_done, d, batch_id, plan)
+            return
         d.running.extend(d.arrived)
         d.arrived.clear()
         if not d.running:
@@ -264,6 +280,26 @@ class Simulator:
         d.busy = True
         self.stats["decode_steps"] += 1
         self._work(d.wid, "decode", self.cost.decode_s(b, n), self._decode_done, d, batch)
+
+    def _lent_done(self, d: DecodeState, batch_id: int, plan: BatchPlan) -> None:
+        """A lent batch's prompts are prefilled on the decode worker: first tokens out, the rest decode there."""
+        d.busy = False
+        firsts, finished = [], []
+        for rid in plan.request_ids:
+            r = self.requests[rid]
+            firsts.append(r)
+            r.first_sent = True
+            r.generated = 1
+            if r.output_len <= 1:
+                r.done = True
+                finished.append(r)
+                self._release(r)
+            else:
+                d.arrived.append(r)
+        self._emit(len(firsts), firsts, finished)
+        self.dispatcher.batch_done(d.wid, batch_id)
+        self._decode_kick(d)
+        self._plan_all()
 
     def _decode_done(self, d: DecodeState, batch: list[SimRequest]) -> None:
         d.busy = False

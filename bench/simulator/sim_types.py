@@ -10,6 +10,7 @@ from bench.metrics import BenchResult, RequestOutcome
 from bench.simulator.cost_model import CostModel
 from bench.simulator.host import HostModel
 from bucket_manager.dispatcher import DispatcherConfig
+from bucket_manager.lending import LendingPolicy
 from bucket_manager.priority import PriorityPolicy
 from bucket_manager.request import PriorityClass, RequestSummary
 from bucket_manager.shape_buckets import ShapeBucketConfig
@@ -36,6 +37,8 @@ class SimConfig:
     # Host CPU contention (workers, gateway and client sharing a few cores); None: every worker has its own
     # device and the host keeps up, as on an accelerator node.
     host: HostModel | None = None
+    # Elastic prefill, as the served controller does it (serve --elastic): off unless given.
+    lending: LendingPolicy = field(default_factory=LendingPolicy)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -68,6 +71,7 @@ class SimConfig:
             theta=self.theta,
             max_batches_per_prefill_worker=self.max_batches_per_prefill_worker,
             scheduling="buckets" if self.request_buckets else "fcfs",
+            lending=self.lending,
         )
 
 
@@ -131,6 +135,7 @@ class DecodeState:
     arrived: list[SimRequest] = field(default_factory=list)  # KV received, joins at the next step
     running: list[SimRequest] = field(default_factory=list)
     busy: bool = False
+    lent: deque[tuple[int, Any]] = field(default_factory=deque)  # lent prompt batches: (batch id, plan)
 
     @property
     def reserved(self) -> dict[str, int]:

@@ -71,6 +71,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="disaggregated controller: adaptive request buckets + priorities, or one FCFS queue (baseline)",
     )
     p.add_argument(
+        "--elastic",
+        default="on",
+        choices=["on", "off"],
+        help="disaggregated: a decode worker with nothing to decode prefills prompt batches itself while the prefill "
+        "workers are busy, and a burst is split over the idle workers",
+    )
+    p.add_argument(
         "--online-order",
         default="arrival",
         choices=["arrival", "deadline", "sjf"],
@@ -257,6 +264,7 @@ def cluster_config_from_args(args: argparse.Namespace, detached: bool = False, q
         engine=config_from_args(args),
         mode=args.mode,
         scheduling=args.scheduling,
+        elastic=args.elastic == "on",
         policy=PriorityPolicy(online_order=args.online_order),
         prefill_workers=args.prefill_workers,
         decode_workers=args.decode_workers,

@@ -128,7 +128,8 @@ def test_a_dead_prefill_worker_ends_the_requests_of_every_gateway(ray_session):
     """The same with the prefill worker: it is stopped (SIGSTOP) so that a request of each gateway is planned onto
     it and held there, then killed. Both requests end with an error naming it, within seconds, and the decode
     worker's reservations for them are freed."""
-    first = RayClusterBackend(cluster_config("disaggregated", "two-gw-prefill"))
+    # Elastic prefill off: an idle decode worker would otherwise prefill the second request itself.
+    first = RayClusterBackend(cluster_config("disaggregated", "two-gw-prefill", elastic=False))
     second = RayClusterBackend(first.config, launch=False)
     victim = first.config.actor_name("prefill", 0)
     handle = first.handles.workers[victim].handle

@@ -1,0 +1,123 @@
+"""Elastic prefill (``bucket_manager/lending.py``): when a decode worker with slack runs a prompt batch itself, how a
+burst is spread over the idle executors, and how the dispatcher's ledger follows a lent batch. Pure Python."""
+
+from __future__ import annotations
+
+import pytest
+from test_dispatcher import BS, dispatcher, req
+
+from bucket_manager.lending import LendingPolicy, batch_token_budget, lend_instead
+from bucket_manager.memory_budget import blocks_for
+
+ON = LendingPolicy(enabled=True)
+STRICT = LendingPolicy(enabled=True, max_running=0)  # lends only while it decodes nothing
+
+
+def test_only_an_enabled_policy_lends_and_only_within_its_guard() -> None:
+    assert not LendingPolicy().can_lend(0, 0), "off by default"
+    assert ON.can_lend(0, 0) and ON.can_lend(4, 0)
+    assert not ON.can_lend(5, 0), "a decode worker decoding more than max_running keeps its steps for them"
+    assert not ON.can_lend(0, 1), "one lent batch at a time"
+    assert not STRICT.can_lend(1, 0)
+    with pytest.raises(ValueError, match="max_running must be an int >= 0"):
+        LendingPolicy(enabled=True, max_running=-1)
+    with pytest.raises(ValueError, match="max_tokens must be an int >= 1"):
+        LendingPolicy(enabled=True, max_tokens=0)
+
+
+def test_a_decode_worker_lends_only_once_every_prefill_worker_holds_a_batch() -> None:
+    assert not lend_instead([0, 1], 1, 128, 512), "a prefill worker with nothing queued takes it"
+    assert lend_instead([1, 2], 1, 128, 512)
+    assert lend_instead([], 1, 128, 512), "every prefill worker full"
+    assert not lend_instead([1], 0, 128, 512)
+    assert not lend_instead([1], 1, 600, 512), "a prompt longer than a lent batch waits for a prefill worker"
+
+
+def test_a_burst_is_shared_evenly_over_the_workers_that_may_run_prompts() -> None:
+    assert batch_token_budget(1024, 128, runners=2, cap=2048) == 512
+    assert batch_token_budget(1024, 128, runners=1, cap=2048) == 2048, "one worker: the step budget"
+    assert batch_token_budget(300, 200, runners=2, cap=2048) == 200, "never below the longest prompt"
+    assert batch_token_budget(9000, 100, runners=2, cap=2048) == 2048, "never above the step budget"
+
+
+def test_a_burst_runs_on_the_prefill_worker_and_on_the_idle_decode_worker() -> None:
+    d = dispatcher(lending=STRICT, max_batches_per_prefill_worker=1)
+    for i in range(12):
+        d.submit(req(i, prompt=128, out=16), f"payload-{i}")
+    first, second = d.plan(now=10.0)
+    # The prefill worker's batch (4 prompts: its widest warmed batch), then the decode worker's own; the first
+    # batch's requests are still in prefill, so the decode worker decodes nothing yet and may lend.
+    assert (first.prefill_id, first.decode_id, first.lent) == ("p0", "d0", False)
+    assert (second.prefill_id, second.decode_id, second.lent) == ("d0", "d0", True)
+    assert len(first.request_ids) == len(second.request_ids) == 4 and len(d.queue) == 4
+    lent = second.request_ids
+    # One reservation per lent request, on the decode worker: prompt and output share its cache.
+    assert all(d.decode["d0"].reserved[r] == blocks_for(128 + 16, BS) for r in lent)
+    assert all(r not in d.prefill["p0"].reserved for r in lent)
+    assert d.decode["d0"].outstanding == {second.batch_id: lent}
+    assert all(d.placement[r] == ("d0", "d0") for r in lent)
+    assert d.state()["lent_batches"] == 1
+    assert d.plan(11.0) == [], "one lent batch at a time, and the prefill worker is full"
+    # Its prompts are prefilled: it decodes them now, so it lends no more (max_running=0) ...
+    d.batch_done("d0", second.batch_id)
+    assert d.decode["d0"].outstanding == {} and all(r in d.decode["d0"].reserved for r in lent)
+    d.batch_done("p0", first.batch_id)
+    [third] = d.plan(12.0)
+    assert not third.lent
+    # ... until they end.
+    for r in (*lent, *first.request_ids, *third.request_ids):
+        d.forget(r)
+    d.batch_done("p0", third.batch_id)
+    assert d.decode["d0"].reserved == {} and d.prefill["p0"].reserved == {}
+
+
+def test_a_burst_is_split_between_the_prefill_and_the_decode_worker() -> None:
+    # Prompt batches as wide as the step budget allows: without the split the prefill worker would take all 8.
+    d = dispatcher(lending=ON, max_batches_per_prefill_worker=1)
+    for i in range(4):
+        d.submit(req(i, prompt=256, out=16))
+    first, second = d.plan(0.0)
+    assert len(first.request_ids) == len(second.request_ids) == 2 and second.lent
+
+
+def test_a_decode_worker_that_decodes_does_not_lend() -> None:
+    d = dispatcher(lending=STRICT, max_batches_per_prefill_worker=1)
+    d.submit(req(0, prompt=100, out=20))
+    [only] = d.plan(0.0)
+    d.batch_done("p0", only.batch_id)  # r0's KV reached d0: it decodes there now
+    for i in range(1, 13):
+        d.submit(req(i, prompt=128, out=16))
+    # Past its guard (max_running=0): the burst queues for the prefill worker alone.
+    batches = d.plan(1.0)
+    assert len(batches) == 1 and not batches[0].lent
+
+
+def test_without_lending_one_batch_takes_the_burst() -> None:
+    d = dispatcher(max_batches_per_prefill_worker=1)
+    for i in range(4):
+        d.submit(req(i, prompt=256, out=16))
+    [batch] = d.plan(0.0)
+    assert len(batch.request_ids) == 4 and not batch.lent
+
+
+def test_a_dead_decode_worker_strands_its_lent_requests() -> None:
+    d = dispatcher(lending=ON, max_batches_per_prefill_worker=1)
+    for i in range(8):
+        d.submit(req(i, prompt=128, out=16))
+    _, lent = d.plan(0.0)
+    assert lent.lent
+    on_decode, in_batches = d.stranded_by("d0")
+    assert set(lent.request_ids) <= set(on_decode) and in_batches == []
+    assert d.decode["d0"].outstanding == {}
+
+
+def test_a_lent_batch_is_at_most_max_tokens_and_a_long_prompt_is_never_lent() -> None:
+    d = dispatcher(lending=LendingPolicy(enabled=True, max_tokens=256), max_batches_per_prefill_worker=1)
+    for i in range(12):
+        d.submit(req(i, prompt=128, out=16))
+    first, lent = d.plan(0.0)
+    assert lent.lent and len(lent.request_ids) == 2, "256 tokens: two 128-token prompts"
+    d2 = dispatcher(lending=ON, max_batches_per_prefill_worker=1)
+    for i in range(6):
+        d2.submit(req(i, prompt=600 if i == 5 else 128, out=16))
+    assert not any(b.lent for b in d2.plan(0.0)), "a 600-token prompt is queued: no lending"

@@ -192,36 +192,44 @@ class Simulator:
             return plan.shape[0], plan.shape[1]
         return len(plan.request_ids), max(self.requests[r].prompt_len for r in plan.request_ids)
 
-    def _prefill_kick(self, p: PrefillState) -> None:
-        if p.busy or not p.queue:
-            return
-        batch_id, plan, did = p.queue.popleft()
-        p.busy = True
+    def _prefill_work(self, plan: BatchPlan) -> float:
+        """Engine seconds of a prompt batch (at its warmed shape), counted in the stats."""
         b, q = self._prefill_shape(plan)
         self.stats["prefill_batches"] += 1
         self.stats["real_prompt_tokens"] += plan.real_tokens
         self.stats["padded_prompt_tokens"] += b * q - plan.real_tokens
-        work = self.cost.prefill_s(b, q)
-        self._work(p.wid, "prefill", work, self._prefill_done, p, batch_id, plan, did)
+        return self.cost.prefill_s(b, q)
 
-    def _prefill_done(self, p: PrefillState, batch_id: int, plan: BatchPlan, did: str) -> None:
-        p.busy = False
-        sends = []
-        firsts, finished = [], []
+    def _first_tokens(self, plan: BatchPlan) -> list[SimRequest]:
+        """A prompt batch's first tokens go out; the requests done at their first token end. Returns the others."""
+        firsts, finished, rest = [], [], []
         for rid in plan.request_ids:
             r = self.requests[rid]
             firsts.append(r)
             r.first_sent = True
             r.generated = 1
             if r.output_len <= 1:
-                # Done at its first token: nothing to send, so it does not hold the batch back.
                 r.done = True
                 finished.append(r)
                 self._release(r)
-                p.unsent[batch_id].discard(rid)
             else:
-                sends.append(r)
+                rest.append(r)
         self._emit(len(firsts), firsts, finished)
+        return rest
+
+    def _prefill_kick(self, p: PrefillState) -> None:
+        if p.busy or not p.queue:
+            return
+        batch_id, plan, did = p.queue.popleft()
+        p.busy = True
+        work = self._prefill_work(plan)
+        self._work(p.wid, "prefill", work, self._prefill_done, p, batch_id, plan, did)
+
+    def _prefill_done(self, p: PrefillState, batch_id: int, plan: BatchPlan, did: str) -> None:
+        p.busy = False
+        sends = self._first_tokens(plan)
+        # Done at its first token: nothing to send, so it does not hold the batch back.
+        p.unsent[batch_id] = {r.rid for r in sends} & p.unsent[batch_id]
         # The senders move each request's KV one after the other over the worker's link, overlapping the next
         # batch's compute.
         t = max(self.now, p.link_free_at)
@@ -260,12 +268,8 @@ class Simulator:
         if d.lent:
             # A lent prompt batch takes the worker's next step (its decodes wait one prompt step: the guard bounds it).
             batch_id, plan = d.lent.popleft()
-            b, q = self._prefill_shape(plan)
             d.busy = True
-            self.stats["prefill_batches"] += 1
-            self.stats["real_prompt_tokens"] += plan.real_tokens
-            self.stats["padded_prompt_tokens"] += b * q - plan.real_tokens
-            self._work(d.wid, "prefill", self.cost.prefill_s(b, q), self._lent_done, d, batch_id, plan)
+            self._work(d.wid, "prefill", self._prefill_work(plan), self._lent_done, d, batch_id, plan)
             return
         d.running.extend(d.arrived)
         d.arrived.clear()
@@ -284,19 +288,7 @@ class Simulator:
     def _lent_done(self, d: DecodeState, batch_id: int, plan: BatchPlan) -> None:
         """A lent batch's prompts are prefilled on the decode worker: first tokens out, the rest decode there."""
         d.busy = False
-        firsts, finished = [], []
-        for rid in plan.request_ids:
-            r = self.requests[rid]
-            firsts.append(r)
-            r.first_sent = True
-            r.generated = 1
-            if r.output_len <= 1:
-                r.done = True
-                finished.append(r)
-                self._release(r)
-            else:
-                d.arrived.append(r)
-        self._emit(len(firsts), firsts, finished)
+        d.arrived.extend(self._first_tokens(plan))
         self.dispatcher.batch_done(d.wid, batch_id)
         self._decode_kick(d)
         self._plan_all()

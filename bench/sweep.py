@@ -96,6 +96,16 @@ def _systems(text: str) -> list[str]:
     return sorted(dict.fromkeys(names), key=lambda s: s != REFERENCE)
 
 
+def _burstiness(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--burstiness takes a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"--burstiness must be a finite number > 0, got {text!r}")
+    return value
+
+
 def register(sub) -> None:
     from bench.workloads import WORKLOADS
 
@@ -106,6 +116,18 @@ def register(sub) -> None:
         "--systems", type=_systems, default=_systems(DEFAULT_SYSTEMS), help=f"of {DEFAULT_SYSTEMS}"
     )
     p.add_argument("--num-prompts", type=int, default=40, help="requests per rate")
+    p.add_argument(
+        "--burstiness",
+        type=_burstiness,
+        default=1.0,
+        help="gamma shape of the arrival gaps: 1 Poisson, below 1 bursts (0.25: most requests in a few bursts)",
+    )
+    p.add_argument(
+        "--priority-mix",
+        default=None,
+        metavar="ONLINE:OFFLINE",
+        help="class weights of the requests, e.g. 1:1 (default: every request online)",
+    )
     p.add_argument("--model", default="small")
     p.add_argument(
         "--slo-ttft-ms", type=float, default=None, help=f"default: {SLO_FACTOR:g}x unloaded TTFT of (a)"
@@ -140,7 +162,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.workload_requests import make_requests
+    from bench.workload_requests import make_requests, parse_priority_mix
     from bench.workloads import load_alpaca_texts
     from engine.model_loader import ModelNotFoundError, load_tokenizer
 
@@ -149,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --target must be in (0, 1], got {args.target}", file=sys.stderr)
         return 2
     try:
+        online_share = parse_priority_mix(args.priority_mix)
         tokenizer = load_tokenizer(args.model)
         texts = load_alpaca_texts(DEFAULT_DATASET) if args.workload in ("alpaca", "mixed") else None
     except (FileNotFoundError, ValueError, ModelNotFoundError) as e:
@@ -166,8 +189,10 @@ def run(args: argparse.Namespace) -> int:
                 rate,
                 tokenizer,
                 seed=args.seed,
+                burstiness=args.burstiness,
                 max_model_len=args.max_model_len,
                 max_output_len=args.max_output_len,
+                online_share=online_share,
                 alpaca_texts=texts,
             )
         return cache[rate]
@@ -207,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
         "rates": args.rates,
         "systems": args.systems,
         "num_prompts": args.num_prompts,
+        "burstiness": args.burstiness,
+        "priority_mix": args.priority_mix,
         "model": args.model,
         "seed": args.seed,
         "target": args.target,

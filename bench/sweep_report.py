@@ -67,7 +67,15 @@ def markdown(doc: dict[str, Any]) -> str:
         "A request meets its SLO when it succeeded and both bounds hold.",
         "",
         f"{cfg['num_prompts']} prompts per rate, seed {cfg['seed']}, max model length {cfg['max_model_len']}, "
-        f"outputs up to {cfg['max_output_len']} tokens.",
+        f"outputs up to {cfg['max_output_len']} tokens; arrivals: "
+        + (
+            "Poisson"
+            if cfg.get("burstiness", 1.0) == 1.0
+            else f"gamma gaps of shape {cfg['burstiness']:g} (bursts)"
+        )
+        + (
+            f"; classes online:offline {cfg['priority_mix']}." if cfg.get("priority_mix") else "; all online."
+        ),
         "",
         f"## Highest rate with >= {target:.0%} attainment (req/s)",
         "",

@@ -208,8 +208,9 @@ class LayerStreamer:
         self._cancelled.add(request_id)
         self._errors.setdefault(request_id, KVTransferError(TransferStatus.ABORTED, reason, request_id))
         self.transport.abort(request_id, reason)
-        if self._finished:
-            self.finish([request_id])
+        # Its bookkeeping ends now, not with the batch: the transport knows transfers by request id, and the
+        # request may be planned again (and opened again on this transport) before the batch's last finish().
+        self.finish([request_id])
         return True
 
     def abort(self, reason: str = "aborted") -> dict[str, TransferMetrics | KVTransferError]:

@@ -152,9 +152,8 @@ def test_finish_and_cancel_one_request_at_a_time(engine, endpoint, sender) -> No
     assert got["request_id"] == "keep" and torch.equal(got["data"], want)
     # "drop" may have arrived whole before the cancel: the abort frees it there too.
     _assert_no_leaks(engine, endpoint, sender)
-    # The batch's last finish() reports the cancelled one and ends its bookkeeping.
-    rest = streamer.finish()
-    assert list(rest) == ["drop"] and rest["drop"].status is TransferStatus.ABORTED
+    # The cancel ended its bookkeeping at once (the request may be opened again on this transport before the
+    # batch's last finish(), which must not touch that new transfer): nothing is left for the batch's end.
     assert sender.stats()["sending"] == 0 and streamer.finish() == {}
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from bench.metrics import RateAtTarget, rate_at_target, ratio
 from bench.server_process import ServerProcess
-from bench.sweep import _rates, _systems, derive_slos
+from bench.sweep import _burstiness, _rates, _systems, derive_slos
 from bench.sweep_report import SystemRun, build_doc, write_sweep_report
 from bench.sweep_systems import median_request, system_command
 
@@ -111,6 +111,10 @@ def test_rates_and_systems_parse() -> None:
     assert _systems("static,vllm,ours,fcfs") == ["ours", "static", "vllm", "fcfs"]
     with pytest.raises(argparse.ArgumentTypeError, match="nope"):
         _systems("ours,nope")
+    assert _burstiness("0.25") == 0.25
+    for bad in ("0", "-1", "inf", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--burstiness"):
+            _burstiness(bad)
 
 
 def test_system_commands() -> None:
@@ -200,6 +204,10 @@ def test_report_files_tables_and_plot(tmp_path: Path) -> None:
     assert "| ours/fcfs | 2.00x |" in md
     assert "no such flag" in md and "skipped" in md and "shared machine" in md
     assert "TTFT <= 200.00 ms" in md
+    assert "arrivals: Poisson; all online." in md
+    bursty = build_doc({**config, "burstiness": 0.25, "priority_mix": "1:1"}, slo, _runs(), [])
+    bursty_md = write_sweep_report(tmp_path / "bursty", bursty)["md"].read_text()
+    assert "gamma gaps of shape 0.25 (bursts); classes online:offline 1:1." in bursty_md
     png = paths["png"].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     assert not any(math.isnan(x) for x in (data["slo"]["ttft_ms"], data["slo"]["tpot_ms"]))

@@ -147,6 +147,7 @@ class Monitor:
         def per_class(fn: Any) -> dict[str, list[float | None]]:
             return {cls: [fn(s.classes[cls]) for s in slots] for cls in PRIORITY_CLASSES}
 
+        totals = self.store.totals()
         totals_per_slot = [s.total() for s in slots]
         window = accounting.aggregate(slots)
         return {
@@ -195,7 +196,8 @@ class Monitor:
             "buckets": _bucket_dict(self.store.buckets()),
             "workers": [_worker_row(s, now) for s in statuses],
             "runtime_compilations": sum(s.stats.runtime_compilations for s in statuses),
-            "scaling_events": _scaling_events(self.store.totals()),
+            "scaling_events": _scaling_events(totals),
+            "lending": _lending(totals),
         }
 
     def check(self) -> list[str]:
@@ -249,6 +251,18 @@ def _scaling_events(totals: dict[str, float]) -> dict[str, dict[str, int]]:
         role: {d: int(totals.get(f"scale|{role}|{d}", 0)) for d in ("up", "down")}
         for role in ("prefill", "decode")
     }
+
+
+def _lending(totals: dict[str, float]) -> dict[str, dict[str, int]]:
+    """Prompt batches (and prompts) each decode worker prefilled itself (elastic prefill), since the store began."""
+    out: dict[str, dict[str, int]] = {}
+    for key, value in totals.items():
+        kind, _, worker = key.partition("|")
+        if kind in ("lent", "lentp"):
+            out.setdefault(worker, {"batches": 0, "prompts": 0})[
+                "batches" if kind == "lent" else "prompts"
+            ] = int(value)
+    return out
 
 
 def _worker_row(status: WorkerStatus, now: float) -> dict[str, Any]:

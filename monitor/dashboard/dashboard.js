@@ -180,6 +180,10 @@ function buildView(d) {
   const sc = d.scaling_events || {};
   const role = (r) => `${r} +${(sc[r] || {}).up || 0} / \u2212${(sc[r] || {}).down || 0}`;
   view["scaling"] = `<div class="stat"><span class="stat-label">autoscaling</span><span class="stat-value">${["prefill", "decode"].reduce((n, r) => n + ((sc[r] || {}).up || 0) + ((sc[r] || {}).down || 0), 0)}</span><span class="stat-sub">workers added / drained: ${role("prefill")}, ${role("decode")}</span></div>`;
+  const lent = Object.values(d.lending || {});
+  const lentBatches = lent.reduce((n, w) => n + w.batches, 0);
+  const lentPrompts = lent.reduce((n, w) => n + w.prompts, 0);
+  view["lending"] = `<div class="stat"><span class="stat-label">elastic prefill</span><span class="stat-value">${lentBatches}</span><span class="stat-sub">batches decode workers prefilled themselves (${lentPrompts} prompts)</span></div>`;
   view["slo-chart"] = lineChartSvg(d.t, classSeries(d.slo_attainment), { yMax: 1, yFormat: fmtPercent, width: 1120 });
   view["goodput-chart"] = lineChartSvg(d.t, classSeries(d.goodput_rps));
   view["rate-chart"] = lineChartSvg(d.t, [

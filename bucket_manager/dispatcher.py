@@ -345,28 +345,24 @@ class Dispatcher:
                 if self._usable(w)
             ]
             lending = self.config.lending
-            lenders = (
-                [
-                    WorkerLoad(
-                        w.worker_id, w.free_blocks(self._reported.get(w.worker_id)), len(w.outstanding)
-                    )
-                    for w in self.decode.values()
-                    if self._usable(w) and lending.can_lend(self._decoding(w), len(w.outstanding))
-                ]
-                if lending.enabled
-                else []
-            )
-            if not decode or not (prefill or lenders):
-                break
             tokens = self.config.max_num_batched_tokens
-            longest = self.queue.longest_prompt() if lending.enabled else 0
+            longest = 0
+            lenders: list[WorkerLoad] = []
             if lending.enabled:
+                decoding = self._decoding()
+                may_run = [w for w in self.usable("decode") if lending.can_lend(decoding[w.worker_id], 0)]
+                lenders = [
+                    WorkerLoad(w.worker_id, w.free_blocks(self._reported.get(w.worker_id)), 0)
+                    for w in may_run
+                    if not w.outstanding
+                ]
                 # Every worker that may run prompts, busy or not: none takes the whole queue while another could
                 # share it.
-                runners = len(self.usable("prefill")) + sum(
-                    1 for w in self.usable("decode") if lending.can_lend(self._decoding(w), 0)
-                )
+                longest = self.queue.longest_prompt()
+                runners = len(self.usable("prefill")) + len(may_run)
                 tokens = batch_token_budget(queued_at_start, longest, runners, tokens)
+            if not decode or not (prefill or lenders):
+                break
             if lend_instead([w.queue_len for w in prefill], len(lenders), longest, lending.max_tokens):
                 # Every prefill worker already holds a batch: a decode worker with slack prefills this one itself.
                 p = d = max(lenders, key=lambda w: (w.free_blocks, w.worker_id))
@@ -396,12 +392,14 @@ class Dispatcher:
             dispatched.append(self._dispatch(plan, executor, self.decode[d.worker_id]))
         return dispatched
 
-    def _decoding(self, w: WorkerLedger) -> int:
-        """Requests a decode worker decodes now: those it holds whose prompts are no longer in a prefill batch
-        (requests still being prefilled elsewhere join it later, at its next step)."""
-        in_prefill = {rid for p in self.prefill.values() for rids in p.outstanding.values() for rid in rids}
-        in_prefill.update(rid for rids in w.outstanding.values() for rid in rids)
-        return sum(1 for rid in w.reserved if rid not in in_prefill)
+    def _decoding(self) -> dict[str, int]:
+        """Requests each decode worker decodes now: those it holds whose prompts are no longer in a prompt batch
+        (requests still being prefilled, elsewhere or in its own lent batch, join its steps later)."""
+        batches = [*self.prefill.values(), *self.decode.values()]
+        in_prefill = {rid for w in batches for rids in w.outstanding.values() for rid in rids}
+        return {
+            w.worker_id: sum(1 for rid in w.reserved if rid not in in_prefill) for w in self.decode.values()
+        }
 
     def _dispatch(self, plan: BatchPlan, p: WorkerLedger, d: WorkerLedger) -> Dispatch:
         self._batch_seq += 1

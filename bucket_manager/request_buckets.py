@@ -82,8 +82,11 @@ class RequestBuckets:
         return self._entries[request_id][0]
 
     def longest_prompt(self) -> int:
-        """The longest queued prompt (0 when empty); O(n)."""
-        return max((entry[0].prompt_len for entry in self._entries.values()), default=0)
+        """The longest queued prompt (0 when empty): in the highest bucket that holds any (buckets are ascending)."""
+        for b in reversed(self._buckets):
+            if b.members:
+                return max(self._entries[rid][0].prompt_len for rid in b.members)
+        return 0
 
     @property
     def num_buckets(self) -> int:

@@ -48,10 +48,10 @@ class DecodeWorker(EngineWorker):
         self._joined_at: dict[str, float] = {}
         # Prompt batches the controller lent this worker (elastic prefill), until the loop adds them to the engine.
         self._lent_in: queue.SimpleQueue[tuple[int, list[RequestMessage], float]] = queue.SimpleQueue()
-        # Lent batch id -> its requests whose first token is not out yet; request id -> its batch (loop only).
+        # Lent batch id -> its requests whose first token is not out yet; request id -> (its batch, when the
+        # controller sent it) (loop only).
         self._lent: dict[int, set[str]] = {}
-        self._lent_batch: dict[str, int] = {}
-        self._lent_dispatched: dict[str, float] = {}
+        self._lent_batch: dict[str, tuple[int, float]] = {}
         self._start(self._loop)
 
     # ------------------------------------------------------------------ remote API
@@ -200,10 +200,10 @@ class DecodeWorker(EngineWorker):
         from the step); each first token (or end) counts down its batch."""
         stamped = []
         for out in outs:
-            if out.request_id in self._lent_batch and (out.has_first_token or out.finished):
-                dispatched_at = self._lent_dispatched.get(out.request_id)
-                if dispatched_at is not None and out.has_first_token:
-                    out = out.marked({stages.DISPATCHED: dispatched_at})
+            lent = self._lent_batch.get(out.request_id)
+            if lent is not None and (out.has_first_token or out.finished):
+                if out.has_first_token:
+                    out = out.marked({stages.DISPATCHED: lent[1]})
                 self._lent_started(out.request_id)
             stamped.append(out)
         return stamped
@@ -247,18 +247,17 @@ class DecodeWorker(EngineWorker):
                     self.outputs.put(m.consumer_id, [err])
                     continue
                 pending.add(m.request_id)
-                self._lent_batch[m.request_id] = batch_id
-                self._lent_dispatched[m.request_id] = dispatched_at
+                self._lent_batch[m.request_id] = (batch_id, dispatched_at)
             self._lent[batch_id] = pending
             if not pending:
                 self._lent_done(batch_id)
 
     def _lent_started(self, request_id: str) -> None:
         """A lent request has its first token (or has ended): its batch is done once all of them have."""
-        batch_id = self._lent_batch.pop(request_id, None)
-        self._lent_dispatched.pop(request_id, None)
-        if batch_id is None:
+        lent = self._lent_batch.pop(request_id, None)
+        if lent is None:
             return
+        batch_id = lent[0]
         pending = self._lent.get(batch_id)
         if pending is not None:
             pending.discard(request_id)

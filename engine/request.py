@@ -155,3 +155,8 @@ class RequestOutput:
     def marked(self, marks: Mapping[str, float]) -> RequestOutput:
         """A copy with ``marks`` added (they win over marks of the same name already here)."""
         return replace(self, marks={**(self.marks or {}), **marks})
+
+
+def mark_first_tokens(outs: list[RequestOutput], marks: Mapping[str, float]) -> list[RequestOutput]:
+    """``outs`` with ``marks`` added to the outputs that carry their request's first token (the step sampled it)."""
+    return [o.marked(marks) if o.has_first_token else o for o in outs]

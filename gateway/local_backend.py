@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestRejected
-from engine.request import FinishReason, Request, RequestOutput
+from engine.request import FinishReason, Request, RequestOutput, mark_first_tokens
 from gateway.backend import BackendError, ModelInfo, Overloaded, Rejected, ServingBackend, Unavailable
 from monitor import Monitor, WorkerStats, stages
 from monitor.records import RequestRecord
@@ -241,8 +241,9 @@ class LocalEngineBackend(ServingBackend):
                     t0 = time.perf_counter()
                     try:
                         outs = self.engine.step()
-                        marks = {stages.FORWARD_START: start, stages.FORWARD_END: time.time()}
-                        outs = [o.marked(marks) if o.has_first_token else o for o in outs]
+                        outs = mark_first_tokens(
+                            outs, {stages.FORWARD_START: start, stages.FORWARD_END: time.time()}
+                        )
                     except Exception as e:  # a broken step must not leave clients waiting forever
                         logger.exception("engine step failed; failing every request in flight")
                         failed += self._fail_all(f"engine step failed: {type(e).__name__}: {e}")

@@ -120,6 +120,23 @@ def transfer_totals(priority_class: str, nbytes: int, seconds: float, transport:
     return out
 
 
+def lent_totals(worker_id: str, prompts: int) -> dict[str, float]:
+    """One prompt batch lent to decode worker ``worker_id`` (elastic prefill)."""
+    return {f"lent|{worker_id}": 1, f"lentp|{worker_id}": float(prompts)}
+
+
+def decode_lent(totals: Mapping[str, float]) -> dict[str, dict[str, float]]:
+    """{decode worker: {"batches": ..., "prompts": ...}} lent to it, from the cumulative totals."""
+    out: dict[str, dict[str, float]] = {}
+    for name, value in totals.items():
+        kind, _, worker = name.partition("|")
+        if kind in ("lent", "lentp"):
+            out.setdefault(worker, {"batches": 0.0, "prompts": 0.0})[
+                "batches" if kind == "lent" else "prompts"
+            ] = value
+    return out
+
+
 def batch_totals(rec: BatchRecord) -> dict[str, float]:
     out: dict[str, float] = {}
     _observe(out, "batch_size", rec.role, rec.batch_size)

@@ -176,12 +176,9 @@ def _request_families(totals: dict[str, float], model_name: str) -> Iterable[Met
         "Prompts a decode worker prefilled itself (elastic prefill).",
         labels=["model_name", "worker"],
     )
-    for key, value in sorted(totals.items()):
-        kind, _, worker = key.partition("|")
-        if kind == "lent":
-            lent.add_metric([model_name, worker], value)
-        elif kind == "lentp":
-            lent_prompts.add_metric([model_name, worker], value)
+    for worker, counts in sorted(accounting.decode_lent(totals).items()):
+        lent.add_metric([model_name, worker], counts["batches"])
+        lent_prompts.add_metric([model_name, worker], counts["prompts"])
     return [prompt, generation, success, failure, met, kv_bytes, scaling, lent, lent_prompts]
 
 

@@ -197,7 +197,11 @@ class Monitor:
             "workers": [_worker_row(s, now) for s in statuses],
             "runtime_compilations": sum(s.stats.runtime_compilations for s in statuses),
             "scaling_events": _scaling_events(totals),
-            "lending": _lending(totals),
+            # Prompt batches (and prompts) each decode worker prefilled itself (elastic prefill), since the start.
+            "lending": {
+                worker: {k: int(v) for k, v in counts.items()}
+                for worker, counts in accounting.decode_lent(totals).items()
+            },
         }
 
     def check(self) -> list[str]:
@@ -251,18 +255,6 @@ def _scaling_events(totals: dict[str, float]) -> dict[str, dict[str, int]]:
         role: {d: int(totals.get(f"scale|{role}|{d}", 0)) for d in ("up", "down")}
         for role in ("prefill", "decode")
     }
-
-
-def _lending(totals: dict[str, float]) -> dict[str, dict[str, int]]:
-    """Prompt batches (and prompts) each decode worker prefilled itself (elastic prefill), since the store began."""
-    out: dict[str, dict[str, int]] = {}
-    for key, value in totals.items():
-        kind, _, worker = key.partition("|")
-        if kind in ("lent", "lentp"):
-            out.setdefault(worker, {"batches": 0, "prompts": 0})[
-                "batches" if kind == "lent" else "prompts"
-            ] = int(value)
-    return out
 
 
 def _worker_row(status: WorkerStatus, now: float) -> dict[str, Any]:

@@ -185,9 +185,7 @@ class MonitorStore(ABC):
         """A decode worker was lent a batch of ``prompts`` prompts to prefill itself (elastic prefill)."""
         if not worker_id or isinstance(prompts, bool) or not isinstance(prompts, int) or prompts < 1:
             raise ValueError(f"a lent batch is (worker id, prompts >= 1), got {(worker_id, prompts)!r}")
-        self._apply(
-            [HashOp(accounting.TOTALS_KEY, incr={f"lent|{worker_id}": 1, f"lentp|{worker_id}": prompts})]
-        )
+        self._apply([HashOp(accounting.TOTALS_KEY, incr=accounting.lent_totals(worker_id, prompts))])
 
     def add_batch(self, rec: BatchRecord) -> None:
         self._apply([HashOp(accounting.TOTALS_KEY, incr=accounting.batch_totals(rec))])

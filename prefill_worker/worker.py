@@ -42,14 +42,16 @@ class PrefillWorker(EngineWorker):
         super().__init__(config)
         self.transport = self._open_kv_transport()
         self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[int, list[tuple[RequestMessage, str]]]] = collections.deque()
+        # (batch id, [(request, decode worker id)], when the controller sent it), in the order to run them.
+        self._queue: collections.deque[tuple[int, list[tuple[RequestMessage, str]], float | None]] = (
+            collections.deque()
+        )
         self._in_progress = 0  # batches taken off the queue whose transfers are not all done
         # Every batch held here, queued or in progress, until its batch_done: what a restarted controller adopts.
         self._held: dict[int, list[tuple[RequestMessage, str]]] = {}
         self._streamed = 0  # transfers that went layer by layer during their prefill and were acknowledged
         self._peers: dict[str, DecodePeer] = {}  # by decode worker id
         self._tombstones: dict[str, float] = {}
-        self._dispatched_at: dict[int, float] = {}  # batch id -> when the controller sent it (queued batches)
         self._senders = ThreadPoolExecutor(config.num_senders, thread_name_prefix="kv-send")
         self._monitor = self.heartbeat.monitor
         self._start(self._loop)
@@ -73,9 +75,7 @@ class PrefillWorker(EngineWorker):
         """A batch planned by the controller: (request, decode worker id) pairs, run after those queued;
         ``dispatched_at``: when the controller sent it (Unix seconds), stamped on the first tokens."""
         with self._cond:
-            self._queue.append((batch_id, list(items)))
-            if dispatched_at is not None:
-                self._dispatched_at[batch_id] = dispatched_at
+            self._queue.append((batch_id, list(items), dispatched_at))
             self._held[batch_id] = list(items)
             self._cond.notify_all()
 
@@ -121,8 +121,7 @@ class PrefillWorker(EngineWorker):
                 if not self._queue:
                     self._cond.wait(0.5)
                     continue
-                batch_id, items = self._queue.popleft()
-                dispatched_at = self._dispatched_at.pop(batch_id, None)
+                batch_id, items, dispatched_at = self._queue.popleft()
                 self._in_progress += 1
                 items = [(m, d) for m, d in items if m.request_id not in self._tombstones]
             streamer = LayerStreamer(self.transport) if self.config.stream_kv_layers else None

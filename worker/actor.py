@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from bucket_manager.controller import restarted_actor
-from engine.request import RequestOutput
+from engine.request import RequestOutput, mark_first_tokens
 from kv_transfer.config import is_wildcard
 from monitor import stages
 from monitor.records import WorkerStats
@@ -174,8 +174,7 @@ class EngineWorker:
         outs = self.engine.step()
         ms = (time.perf_counter() - t0) * 1e3
         self._latency_ms = ms if self._latency_ms is None else 0.8 * self._latency_ms + 0.2 * ms
-        marks = {stages.FORWARD_START: start, stages.FORWARD_END: start + ms / 1e3}
-        return [o.marked(marks) if o.has_first_token else o for o in outs]
+        return mark_first_tokens(outs, {stages.FORWARD_START: start, stages.FORWARD_END: start + ms / 1e3})
 
     def _check_integrity(self) -> bool:
         """free + used == total and no block held twice; False (and logged) when not."""

@@ -47,8 +47,8 @@ class _Core:
             self.t.allocator.check_integrity()
         return self.t.stats()
 
-    def abort(self, request_id: str) -> bool:
-        return self.t.abort(request_id, "aborted by receiver")
+    def abort(self, request_id: str, final: bool = False) -> bool:
+        return self.t.abort(request_id, "aborted by receiver", final)
 
     def free(self, block_ids: list[int]) -> None:
         with self.t.lock:
@@ -139,8 +139,8 @@ class EndpointProcess:
     def stats(self) -> dict:
         return self._call("stats")
 
-    def abort(self, request_id: str) -> bool:
-        return self._call("abort", request_id)
+    def abort(self, request_id: str, final: bool = False) -> bool:
+        return self._call("abort", request_id, final)
 
     def free(self, block_ids: list[int]) -> None:
         self._call("free", block_ids)

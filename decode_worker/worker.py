@@ -110,7 +110,7 @@ class DecodeWorker(EngineWorker):
         """Drop the request wherever it is here (in flight, announced, running); waits until its blocks are free."""
         with self._lock:
             self._tombstones[request_id] = time.monotonic()
-        self.transport.abort(request_id, "aborted by client")
+        self.transport.abort(request_id, "aborted by client", final=True)
         done = threading.Event()
         self._aborts.put((request_id, done))
         return done.wait(wait_s)
@@ -305,7 +305,7 @@ class DecodeWorker(EngineWorker):
             self.engine.abort(rid)
             self._joined_at.pop(rid, None)
             self._lent_started(rid)
-            self.transport.abort(rid, "aborted by client")
+            self.transport.abort(rid, "aborted by client", final=True)
             with self._lock:
                 self._expected.pop(rid, None)
                 self._reserved.pop(rid, None)

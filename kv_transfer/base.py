@@ -367,10 +367,12 @@ class KVTransport(ABC):
         self._totals["bytes_sent"] += m.bytes if error is None else 0
 
     # -- abort ------------------------------------------------------------------------------------
-    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+    def abort(self, request_id: str, reason: str = "aborted", final: bool = False) -> bool:
         """Cancel ``request_id`` on this side (sending or receiving) and tell the peer. Frees this
-        side's blocks; a send in progress raises KVTransferError(ABORTED) in its caller."""
-        found = self.receiver.abort(request_id, reason)
+        side's blocks; a send in progress raises KVTransferError(ABORTED) in its caller. ``final``: the
+        request is gone for good here, so a later handshake for it is refused (a sender that had not heard
+        yet would otherwise reserve blocks that nobody takes until the receive timeout)."""
+        found = self.receiver.abort(request_id, reason, final)
         with self.lock:
             out = self._outbound.get(request_id)
         if out is not None:

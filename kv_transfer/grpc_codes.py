@@ -28,6 +28,7 @@ HS_TO_STATUS = {
     pb.HandshakeReply.MISMATCH: TransferStatus.MISMATCH,
     pb.HandshakeReply.INVALID: TransferStatus.INVALID,
     pb.HandshakeReply.DUPLICATE: TransferStatus.DUPLICATE,
+    pb.HandshakeReply.ABORTED: TransferStatus.ABORTED,
 }
 STATUS_TO_HS = {v: k for k, v in HS_TO_STATUS.items()}
 RPC_TO_STATUS = {

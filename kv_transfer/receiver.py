@@ -72,6 +72,10 @@ class KVReceiver:
         # Why recent transfers were closed early, so every parallel stream of one reports the same status
         # (a checksum failure on one stream must read as retryable on the others too); bounded.
         self._ended: OrderedDict[str, tuple[TransferStatus, str]] = OrderedDict()
+        # Requests aborted for good here (the client left, the request was given up), by when: a handshake for one
+        # that arrives later (sent before its sender heard) is refused, or it would hold blocks nobody takes until
+        # the receive timeout. Kept for that timeout; bounded.
+        self._refused: OrderedDict[str, float] = OrderedDict()
 
     # -- handshake -------------------------------------------------------------------------------
     def handshake(self, hs: Handshake) -> HandshakeResult:
@@ -88,6 +92,10 @@ class KVReceiver:
             )
         need = spec.blocks_for_tokens(hs.num_tokens)
         with self.lock:
+            if hs.request_id in self._refused:
+                return HandshakeResult(
+                    TransferStatus.ABORTED, spec.block_size, detail="aborted on the receiver"
+                )
             old = self._inbound.get(hs.request_id)
             if old is not None and hs.attempt <= old.hs.attempt or hs.request_id in self._done:
                 return HandshakeResult(TransferStatus.DUPLICATE, spec.block_size, detail="already in flight")
@@ -96,6 +104,10 @@ class KVReceiver:
             # A retry replaces the failed attempt: free what it had.
             self._close(hs.request_id, TransferStatus.ABORTED, "superseded by a retry")
         with self.lock:
+            if hs.request_id in self._refused:  # aborted while the retry's old attempt was being closed
+                return HandshakeResult(
+                    TransferStatus.ABORTED, spec.block_size, detail="aborted on the receiver"
+                )
             try:
                 ids = self.allocator.allocate(need)
             except NoFreeBlocksError:
@@ -304,8 +316,17 @@ class KVReceiver:
         log.info("kv receive %s closed (%s): %s", request_id, status.value, reason)
         return True
 
-    def abort(self, request_id: str, reason: str = "") -> bool:
-        """Free whatever this request holds here (in flight or received but not taken)."""
+    def abort(self, request_id: str, reason: str = "", final: bool = False) -> bool:
+        """Free whatever this request holds here (in flight or received but not taken). ``final``: the request is
+        gone for good, so a handshake for it that comes later is refused (ABORTED) instead of reserving blocks."""
+        if final:
+            with self.lock:
+                # Marked before the close, under the lock the handshake allocates under: a handshake either sees
+                # the mark or has allocated already, and then the close below frees what it took.
+                self._refused[request_id] = time.monotonic()
+                self._refused.move_to_end(request_id)
+                while len(self._refused) > 4096:
+                    self._refused.popitem(last=False)
         return self._close(request_id, TransferStatus.ABORTED, reason)
 
     def fail(self, request_id: str, status: TransferStatus, reason: str) -> bool:
@@ -317,6 +338,8 @@ class KVReceiver:
         with self.lock:
             stale = [r for r, inb in self._inbound.items() if now - inb.last_activity > ttl]
             stale += [r for r, (_, t) in self._done.items() if now - t > ttl]
+            while self._refused and now - next(iter(self._refused.values())) > ttl:
+                self._refused.popitem(last=False)
         for rid in stale:
             self._close(rid, TransferStatus.TIMEOUT, f"no progress for {ttl}s")
         return stale

@@ -49,11 +49,13 @@ class HandshakeReply(_message.Message):
         MISMATCH: _ClassVar[HandshakeReply.Status]
         INVALID: _ClassVar[HandshakeReply.Status]
         DUPLICATE: _ClassVar[HandshakeReply.Status]
+        ABORTED: _ClassVar[HandshakeReply.Status]
     ACCEPTED: HandshakeReply.Status
     FULL: HandshakeReply.Status
     MISMATCH: HandshakeReply.Status
     INVALID: HandshakeReply.Status
     DUPLICATE: HandshakeReply.Status
+    ABORTED: HandshakeReply.Status
     STATUS_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]

@@ -78,6 +78,37 @@ async def collect(backend, req: Request, started: asyncio.Event | None = None) -
     return got
 
 
+async def gather_all(backend, tasks: list[asyncio.Task], timeout: float) -> list[Collected]:
+    """Every task's result, or an assertion that names the requests still open and what the cluster holds."""
+    done, pending = await asyncio.wait(tasks, timeout=timeout)
+    if not pending:
+        return [t.result() for t in tasks]
+    open_ids = sorted(rid for rid in backend._streams)
+    state = stats = None
+    if getattr(backend.handles, "controller", None) is not None:
+        try:
+            state = await asyncio.wait_for(backend.handles.controller.state.remote(), 10)
+        except Exception as e:
+            state = repr(e)
+    stats = {}
+    for name, w in backend.handles.workers.items():
+        if name in backend._down:
+            continue
+        try:
+            s = await asyncio.wait_for(w.handle.stats.remote(), 10)
+            stats[name] = {
+                k: s.get(k) for k in ("kv_blocks_free", "kv_blocks_used", "running", "waiting", "transport")
+            }
+        except Exception as e:
+            stats[name] = repr(e)
+    for t in pending:
+        t.cancel()
+    raise AssertionError(
+        f"{len(pending)} of {len(tasks)} requests did not end within {timeout:g} s; open streams {open_ids}, "
+        f"down {sorted(backend._down)}; controller state {state}; worker stats {stats}"
+    )
+
+
 async def wait_idle(backend, timeout: float = 10.0) -> dict[str, dict]:
     """Worker stats once every worker holds no KV block (or the last stats at the timeout)."""
     deadline = time.monotonic() + timeout

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import ray
-from cluster_helpers import NUM_BLOCKS, cluster_config, collect, make_request
+from cluster_helpers import NUM_BLOCKS, cluster_config, collect, gather_all, make_request
 
 from gateway.cluster_backend import RayClusterBackend
 
@@ -41,7 +41,7 @@ def test_worker_killed_mid_decode_ends_its_requests_with_an_error(ray_session, m
                 await asyncio.sleep(0.02)
             ray.kill(backend.handles.workers[victim][1])
             killed_at = time.monotonic()
-            done = await asyncio.wait_for(asyncio.gather(*tasks), PROMPT_END_S + 30)
+            done = await gather_all(backend, tasks, PROMPT_END_S + 30)
             return killed_at, done
 
         killed_at, results = asyncio.run(run())
@@ -114,7 +114,7 @@ def test_prefill_worker_killed_with_batches_in_flight_ends_them_and_leaks_nothin
                 await asyncio.sleep(0.005)
             ray.kill(backend.handles.workers[victim][1])
             killed_at = time.monotonic()
-            return killed_at, await asyncio.wait_for(asyncio.gather(*tasks), PROMPT_END_S + 30)
+            return killed_at, await gather_all(backend, tasks, PROMPT_END_S + 30)
 
         killed_at, results = asyncio.run(run())
         by_id = {r.request_id: r for r in reqs}

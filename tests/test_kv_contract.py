@@ -246,6 +246,28 @@ def test_receiver_abort_mid_transfer_reaches_sender(pair: Pair) -> None:
     pair.assert_no_leaks()
 
 
+def test_a_handshake_after_a_final_abort_on_the_receiver_is_refused(pair: Pair) -> None:
+    # The decode worker gave the request up (its prefill worker died) before that worker's handshake, sent just
+    # before its death, was read: the late handshake must not reserve blocks that nobody will take.
+    assert not pair.endpoint.abort("gone", True)  # nothing held yet
+    ids = pair.blocks(20)
+    with pytest.raises(KVTransferError) as e:
+        pair.sender.begin_send(pair.peer, "gone", ids, 20, first_token=1)
+    assert e.value.status is TransferStatus.ABORTED and not e.value.receiver_full
+    pair.assert_no_leaks()  # the sender's transport freed the blocks it was given
+    # A plain abort (a transfer cancelled to be retried) refuses nothing: the retry is served.
+    ids = pair.blocks(20)
+    pair.sender.begin_send(pair.peer, "again", ids, 20, first_token=1)
+    assert pair.sender.abort("again", "retry elsewhere")
+    with pytest.raises(KVTransferError):
+        pair.sender.finish("again")
+    ids = pair.blocks(20)
+    pair.sender.send(pair.peer, "again", ids, 20, first_token=1)
+    got = pair.endpoint.receive(10)
+    assert got is not None and got["request_id"] == "again"
+    pair.assert_no_leaks()
+
+
 def test_sender_lease_expires_without_ack(pair: Pair) -> None:
     ids = pair.blocks(12)
     pair.sender.leases.ttl_s = 0.2

@@ -156,6 +156,13 @@ def register(sub) -> None:
         default=None,
         help="report.json of an earlier sweep: its SLOs (unless given) and the systems not run now are kept",
     )
+    p.add_argument(
+        "--client",
+        choices=("ours", "vllm"),
+        default="ours",
+        help="load client: ours (bench.client) or vllm (`vllm bench serve` from --vllm-python's environment, "
+        "on its own random dataset: needs --workload random)",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", default="bench/results/sweep", help="folder of the report")
     p.set_defaults(func=run)
@@ -170,6 +177,17 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.target <= 1:
         print(f"error: --target must be in (0, 1], got {args.target}", file=sys.stderr)
         return 2
+    if args.client == "vllm":
+        problem = None
+        if not Path(args.vllm_python).exists():
+            problem = f"--client vllm needs vLLM's environment; none at {args.vllm_python} (--vllm-python)"
+        elif args.workload != "random":
+            problem = f"--client vllm runs vLLM's random dataset: give --workload random, not {args.workload}"
+        elif args.priority_mix:
+            problem = "--client vllm sends one class of requests: --priority-mix does not apply"
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     try:
         online_share = parse_priority_mix(args.priority_mix)
         tokenizer = load_tokenizer(args.model)
@@ -227,6 +245,11 @@ def run(args: argparse.Namespace) -> int:
         f"Our colocated system runs {args.colocated_workers} workers, as (a) and (b) run one prefill and one "
         "decode worker.",
     ]
+    if args.client == "vllm":
+        notes.append(
+            "Load from `vllm bench serve` (vLLM's random dataset: 256 +- 90% prompt tokens, 64 out, EOS ignored; "
+            "its goodput accounting, failed requests counted as misses); the unloaded probe is our client's."
+        )
     config = {
         "workload": args.workload,
         "rates": args.rates,
@@ -241,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
         "max_output_len": args.max_output_len,
         "stop_below": args.stop_below,
         "kept_from": args.keep_from,
+        "client": "vllm bench serve" if args.client == "vllm" else "bench.client",
     }
     if runs:
         config["systems"] = [r.name for r in runs] + list(args.systems)

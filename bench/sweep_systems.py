@@ -98,6 +98,51 @@ async def measure_unloaded(
     }
 
 
+def _load_point(
+    args: argparse.Namespace,
+    base: str,
+    rate: float,
+    make: Any,
+    ttft_slo: float,
+    tpot_slo: float,
+    out_dir: Path,
+    system: str,
+) -> dict[str, Any]:
+    """One rate's load on the running system, from our client or from ``vllm bench serve`` (``--client``)."""
+    if args.client == "vllm":
+        from bench.vllm_client import VllmBench
+        from engine.model_loader import resolve_model_path
+
+        bench = VllmBench(
+            args.vllm_python,
+            base,
+            args.model,
+            str(resolve_model_path(args.model)),
+            args.num_prompts,
+            args.seed,
+            args.burstiness,
+            ttft_slo,
+            tpot_slo,
+        )
+        # The whole run's bound: its arrivals, then the slowest request's own bound.
+        timeout = args.num_prompts / rate + args.request_timeout_s
+        log = out_dir / "logs" / f"{system}.vllm_bench.log"
+        return bench.run(rate, out_dir / "vllm_bench" / system, log, timeout)
+    result = asyncio.run(
+        run_benchmark(
+            base,
+            make(rate),
+            model=args.model,
+            slo_ttft_ms=ttft_slo,
+            slo_tpot_ms=tpot_slo,
+            timeout_s=args.request_timeout_s,
+            progress=not args.no_progress,
+            request_rate=rate,
+        )
+    )
+    return result.summary()
+
+
 def run_system(
     system: str,
     args: argparse.Namespace,
@@ -129,19 +174,7 @@ def run_system(
                 continue
             if not server.alive():
                 raise RuntimeError(f"exited during the sweep: {server.log_tail(600)}")
-            result = asyncio.run(
-                run_benchmark(
-                    base,
-                    make(rate),
-                    model=args.model,
-                    slo_ttft_ms=ttft_slo,
-                    slo_tpot_ms=tpot_slo,
-                    timeout_s=args.request_timeout_s,
-                    progress=not args.no_progress,
-                    request_rate=rate,
-                )
-            )
-            summary = result.summary()
+            summary = _load_point(args, base, rate, make, ttft_slo, tpot_slo, out_dir, system)
             # The machine's 1-minute load after the point: other work on a shared box shows up here.
             summary["load_avg_1m"] = round(os.getloadavg()[0], 2)
             run.points.append(summary)

@@ -74,7 +74,7 @@ def test_config_values_go_through_the_flags_types_and_choices(tmp_path):
         "port: abc": "port: invalid port: 'abc'",
         "port: 0": "port: invalid port: 0",
         "mode: foo": "mode: invalid choice: 'foo'",
-        "prefill_workers: 1.5": "prefill_workers: invalid int value: '1.5'",
+        "prefill_workers: 1.5": "prefill_workers: expected an integer or 'auto', got '1.5'",
         "no_pin_cores: maybe": "no_pin_cores: expected true or false",
         "max_model_len: [1, 2]": "max_model_len: expected a single value",
     }

@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     what.add_argument(
         "--validate", action="store_true", help="simulated vs measured attainment on this machine"
     )
-    p.add_argument("--model", default="small", help="--calibrate/--validate: the engine's model")
+    p.add_argument("--model", default="small", help="--calibrate/--validate/--save-split: the engine's model")
     p.add_argument(
         "--out", default=None, help="--calibrate: JSON path; otherwise a report path (no extension)"
     )
@@ -76,6 +76,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=450.0)
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--target-rate", type=float, default=None, help="recommend a prefill:decode split for it")
+    p.add_argument(
+        "--save-split",
+        action="store_true",
+        help="with --target-rate: keep the recommended split for `serve --prefill-workers auto --decode-workers "
+        "auto` of --model (under $BUCKETSERVE_CACHE/splits/)",
+    )
     p.add_argument(
         "--plan",
         action="store_true",
@@ -172,6 +178,11 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        if args.save_split:
+            result["split"]["saved_to"] = str(_save_split(args, cost.name, result["split"]))
+    elif args.save_split:
+        print("error: --save-split needs --target-rate (the rate to choose the split for)", file=sys.stderr)
+        return 2
     if not args.json:
         print(f"cost model {cost.name}: {cost.source}")
         _print_rows(result["rows"])
@@ -182,12 +193,39 @@ def run(args: argparse.Namespace) -> int:
                 f"recommended prefill:decode for {s['target_rate']} req/s on {s['cards']} cards: "
                 f"{s['recommended']} ({s['recommended_attainment']} attainment)"
             )
+            if "saved_to" in s:
+                print(
+                    f"kept for `serve --model {args.model} --prefill-workers auto --decode-workers auto`: {s['saved_to']}"
+                )
     if args.out:
         from bench.report import write_report
 
         write_report(args.out, f"Simulated capacity: {args.workload}, {cost.name}", result)
     print(json.dumps(result))
     return 0
+
+
+def _save_split(args: argparse.Namespace, cost_name: str, split: dict[str, Any]):
+    """Keep the recommended split where ``serve --prefill-workers auto`` reads it."""
+    import datetime
+
+    from gateway.worker_split import WorkerSplit, save_split
+
+    p, d = (int(x) for x in split["recommended"].split(":"))
+    return save_split(
+        WorkerSplit(
+            model=args.model,
+            prefill_workers=p,
+            decode_workers=d,
+            target_rate=args.target_rate,
+            workload=args.workload,
+            slo_ttft_ms=args.slo_ttft_ms,
+            slo_tpot_ms=args.slo_tpot_ms,
+            attainment=split["recommended_attainment"],
+            cost_model=cost_name,
+            made_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        )
+    )
 
 
 def _plan(args: argparse.Namespace, config, result: dict[str, Any], kw: dict[str, Any]) -> int:

@@ -83,8 +83,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=["arrival", "deadline", "sjf"],
         help="buckets scheduling: order of online requests (sjf: shortest prompt first, oldest after 10 s)",
     )
-    p.add_argument("--prefill-workers", type=int, default=1, help="disaggregated mode: prefill worker actors")
-    p.add_argument("--decode-workers", type=int, default=1, help="disaggregated mode: decode worker actors")
+    p.add_argument(
+        "--prefill-workers",
+        type=_worker_count,
+        default=1,
+        help="disaggregated mode: prefill worker actors, or auto (with --decode-workers auto): the split "
+        "`bucketserve simulate --target-rate R --save-split` recommended for this model",
+    )
+    p.add_argument(
+        "--decode-workers",
+        type=_worker_count,
+        default=1,
+        help="disaggregated mode: decode worker actors, or auto",
+    )
     p.add_argument("--colocated-workers", type=int, default=1, help="colocated mode: worker actors")
     p.add_argument(
         "--kv-transport",
@@ -192,6 +203,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _worker_count(text: str) -> int | str:
+    from gateway.worker_split import parse_worker_count
+
+    try:
+        return parse_worker_count(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def register(sub) -> None:
     from gateway.flags import HelpFormatter
 
@@ -258,16 +278,22 @@ def cluster_config_from_args(args: argparse.Namespace, detached: bool = False, q
     from engine.config import config_from_args
     from gateway.cluster_launch import ClusterConfig
     from gateway.kv_flags import transfer_config_from_args
+    from gateway.worker_split import resolve_counts
     from monitor import MonitorConfig
 
+    (prefill_workers, decode_workers), split = resolve_counts(
+        args.prefill_workers, args.decode_workers, args.model, args.mode
+    )
+    if split is not None:
+        logger.info("starting %s", split.describe())
     return ClusterConfig(
         engine=config_from_args(args),
         mode=args.mode,
         scheduling=args.scheduling,
         elastic=args.elastic == "on",
         policy=PriorityPolicy(online_order=args.online_order),
-        prefill_workers=args.prefill_workers,
-        decode_workers=args.decode_workers,
+        prefill_workers=prefill_workers,
+        decode_workers=decode_workers,
         colocated_workers=args.colocated_workers,
         kv_transport=args.kv_transport,
         transfer=transfer_config_from_args(args),
@@ -285,12 +311,13 @@ def cluster_config_from_args(args: argparse.Namespace, detached: bool = False, q
         served_model_name=args.served_model_name,
         detached=detached,
         quiet=quiet,
-        scaling=_scaling(args),
+        scaling=_scaling(args, {"prefill": prefill_workers, "decode": decode_workers}),
     )
 
 
-def _scaling(args: argparse.Namespace):
-    """The autoscaling bounds the flags ask for; None when they leave every count as it starts."""
+def _scaling(args: argparse.Namespace, start: dict[str, int]):
+    """The autoscaling bounds the flags ask for (``start``: each role's workers at start); None when they leave
+    every count as it starts."""
     from bucket_manager.autoscale import ScalingConfig
 
     def given(name: str, default: int) -> int:
@@ -298,13 +325,12 @@ def _scaling(args: argparse.Namespace):
         return default if value is None else value
 
     bounds = {
-        f"{bound}_{role}_workers": given(f"{bound}_{role}_workers", getattr(args, f"{role}_workers"))
+        f"{bound}_{role}_workers": given(f"{bound}_{role}_workers", start[role])
         for role in ("prefill", "decode")
         for bound in ("min", "max")
     }
     if all(
-        bounds[f"min_{r}_workers"] == bounds[f"max_{r}_workers"] == getattr(args, f"{r}_workers")
-        for r in ("prefill", "decode")
+        bounds[f"min_{r}_workers"] == bounds[f"max_{r}_workers"] == start[r] for r in ("prefill", "decode")
     ):
         return None
     return ScalingConfig(

@@ -54,8 +54,10 @@ class ControllerConfig:
     # Until the monitor's first answer (it starts alongside, under the start-up's load), no figures are not called
     # stale before this: planning goes by the ledger meanwhile either way, and start-up logs no false alarm.
     stats_first_wait_s: float = 15.0
-    # Prefill attempts of one request (a decode worker refused or died, a transfer failed) before it fails.
+    # Prefill attempts of one request (a decode worker died, a transfer failed) before it fails.
     max_attempts: int = 4
+    # How long a decode worker that refused a request as full gets no new one (DispatcherConfig.full_hold_s).
+    full_hold_s: float = 0.1
     scheduling: str = "buckets"
     # Elastic prefill: decode workers with slack run prompt batches themselves (bucket_manager/lending.py).
     lending: LendingPolicy = field(default_factory=LendingPolicy)
@@ -330,9 +332,12 @@ class Controller:
         await self._ready()
         if request_id not in self.dispatcher:
             return False  # aborted or finished meanwhile
-        if "unreachable" in reason and refused_by is not None:
+        unreachable = "unreachable" in reason
+        if unreachable and refused_by is not None:
             self._mark_down(refused_by)
-        if not self.dispatcher.requeue(request_id):
+        # Otherwise a worker named as refusing it was full: back-pressure, not a failed attempt.
+        full_on = None if unreachable else refused_by
+        if not self.dispatcher.requeue(request_id, full_on, time.time()):
             logger.warning(
                 "request %s failed after %d attempts: %s", request_id, self.config.max_attempts, reason
             )

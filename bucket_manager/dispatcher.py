@@ -53,6 +53,8 @@ def check_planning_config(config: Any) -> None:
             raise ValueError(f"{owner}.{name} must be an int >= 1, got {value!r}")
     if not isinstance(config.max_attempts, int) or config.max_attempts < 1:
         raise ValueError(f"{owner}.max_attempts must be an int >= 1, got {config.max_attempts!r}")
+    if not 0.0 <= config.full_hold_s < float("inf"):
+        raise ValueError(f"{owner}.full_hold_s must be a number >= 0, got {config.full_hold_s!r}")
     if not 0.0 <= config.theta < 1.0:
         raise ValueError(f"{owner}.theta must be in [0, 1), got {config.theta!r}")
     if not isinstance(config.shape_config, ShapeBucketConfig):
@@ -69,8 +71,12 @@ class DispatcherConfig:
     theta: float = 0.5
     # Batches a prefill worker may hold (one running, one queued): the rest wait here, where priorities apply.
     max_batches_per_prefill_worker: int = 2
-    # Prefill attempts of one request (a decode worker refused or died, a transfer failed) before it fails.
+    # Prefill attempts of one request (a decode worker died, a transfer failed) before it fails.
     max_attempts: int = 4
+    # A decode worker that refused a request as full gets no new request for this long: its cache is busier than
+    # the ledger says (blocks of cancelled transfers still on their way back). A refusal as full is back-pressure,
+    # not a failed attempt: the request waits in the queue, bounded by its deadline.
+    full_hold_s: float = 0.1
     scheduling: str = "buckets"
     # Elastic prefill (bucket_manager/lending.py): decode workers with slack run prompt batches themselves.
     lending: LendingPolicy = field(default_factory=LendingPolicy)
@@ -121,6 +127,8 @@ class Dispatcher:
         self.summaries: dict[str, RequestSummary] = {}
         self.placement: dict[str, tuple[str, str]] = {}  # request id -> (prefill id, decode id)
         self.attempts: dict[str, int] = {}
+        # Decode worker id -> until when (the planning clock) it gets no new request: it refused one as full.
+        self._full_until: dict[str, float] = {}
         self.online_streak = 0
         self.batches = 0
         self.bucket_splits = 0
@@ -282,17 +290,21 @@ class Dispatcher:
         elif prefill_id in self.decode:
             self.decode[prefill_id].outstanding.pop(batch_id, None)
 
-    def requeue(self, request_id: str) -> bool:
+    def requeue(self, request_id: str, full_on: str | None = None, now: float = 0.0) -> bool:
         """A prefilled request could not reach its decode worker: queue it again, or give it up (False) after
-        ``max_attempts``. False too when it has ended meanwhile."""
+        ``max_attempts``. False too when it has ended meanwhile. ``full_on``: the decode worker refused it as full
+        (at ``now``, on the planning clock): that worker is held for ``full_hold_s`` and the attempt not counted."""
         summary = self.summaries.get(request_id)
         if summary is None:
             return False
         placed = self.placement.pop(request_id, None)
         if placed is not None and placed[1] in self.decode:
             self.decode[placed[1]].reserved.pop(request_id, None)
-        self.attempts[request_id] = self.attempts.get(request_id, 0) + 1
-        if self.attempts[request_id] >= self.config.max_attempts:
+        if full_on is not None:
+            self._full_until[full_on] = max(self._full_until.get(full_on, now), now + self.config.full_hold_s)
+        else:
+            self.attempts[request_id] = self.attempts.get(request_id, 0) + 1
+        if self.attempts.get(request_id, 0) >= self.config.max_attempts:
             self.forget(request_id)
             return False
         if request_id not in self.queue:
@@ -342,7 +354,7 @@ class Dispatcher:
             decode = [
                 WorkerLoad(w.worker_id, w.free_blocks(self._reported.get(w.worker_id)), len(w.reserved))
                 for w in self.decode.values()
-                if self._usable(w)
+                if self._usable(w) and not self._held(w.worker_id, now)
             ]
             lending = self.config.lending
             tokens = self.config.max_num_batched_tokens
@@ -354,7 +366,7 @@ class Dispatcher:
                 lenders = [
                     WorkerLoad(w.worker_id, w.free_blocks(self._reported.get(w.worker_id)), 0)
                     for w in may_run
-                    if not w.outstanding
+                    if not w.outstanding and not self._held(w.worker_id, now)
                 ]
                 # Every worker that may run prompts, busy or not: none takes the whole queue while another could
                 # share it.
@@ -391,6 +403,16 @@ class Dispatcher:
             executor = self.decode[p.worker_id] if p is d else self.prefill[p.worker_id]
             dispatched.append(self._dispatch(plan, executor, self.decode[d.worker_id]))
         return dispatched
+
+    def _held(self, worker_id: str, now: float) -> bool:
+        """The decode worker refused a request as full less than ``full_hold_s`` ago."""
+        until = self._full_until.get(worker_id)
+        if until is None:
+            return False
+        if now >= until:
+            del self._full_until[worker_id]
+            return False
+        return True
 
     def _decoding(self) -> dict[str, int]:
         """Requests each decode worker decodes now: those it holds whose prompts are no longer in a prompt batch

@@ -107,6 +107,29 @@ def test_requeue_plans_again_then_gives_up() -> None:
     assert d.requeue("r0") is False and d.requeue("unknown") is False
 
 
+def test_a_refusal_as_full_holds_that_decode_worker_and_costs_no_attempt() -> None:
+    d = dispatcher(max_attempts=2, full_hold_s=0.5)
+    d.submit(req(0))
+    [batch] = d.plan(0.0)
+    for t in (1.0, 2.0, 3.0):  # refused as full again and again: back-pressure, never given up for it
+        assert d.requeue("r0", full_on="d0", now=t) is True
+        d.batch_done("p0", batch.batch_id)
+        assert d.plan(t + 0.4) == []  # d0 is held, and it is the only decode worker
+        [batch] = d.plan(t + 0.5)
+        assert batch.request_ids == ("r0",) and batch.decode_id == "d0"
+    assert d.attempts["r0"] == 0
+    assert d.requeue("r0") is True and d.attempts["r0"] == 1  # a failure (not full) still counts
+
+
+def test_a_held_decode_worker_leaves_the_requests_to_the_others() -> None:
+    d = dispatcher(decode=2, full_hold_s=0.5)
+    d.submit(req(0))
+    [first] = d.plan(0.0)
+    d.requeue("r0", full_on=first.decode_id, now=0.0)
+    [second] = d.plan(0.1)
+    assert second.decode_id != first.decode_id
+
+
 def test_worker_loss_strands_its_requests_and_everything_once_a_pool_is_empty() -> None:
     d = dispatcher(prefill=2, decode=2)
     for i, n in enumerate([10, 1500]):

@@ -67,7 +67,13 @@ def markdown(doc: dict[str, Any]) -> str:
         "A request meets its SLO when it succeeded and both bounds hold.",
         "",
         f"{cfg['num_prompts']} prompts per rate, seed {cfg['seed']}, max model length {cfg['max_model_len']}, "
-        f"outputs up to {cfg['max_output_len']} tokens; arrivals: "
+        + (
+            # The random workload has its own lengths (as vLLM's random dataset), whatever --max-output-len says.
+            "prompts of 256 +- 90% tokens, 64 out"
+            if cfg["workload"] == "random"
+            else f"outputs up to {cfg['max_output_len']} tokens"
+        )
+        + f"; load from {cfg.get('client', 'bench.client')}; arrivals: "
         + (
             "Poisson"
             if cfg.get("burstiness", 1.0) == 1.0

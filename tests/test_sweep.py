@@ -208,6 +208,10 @@ def test_report_files_tables_and_plot(tmp_path: Path) -> None:
     bursty = build_doc({**config, "burstiness": 0.25, "priority_mix": "1:1"}, slo, _runs(), [])
     bursty_md = write_sweep_report(tmp_path / "bursty", bursty)["md"].read_text()
     assert "gamma gaps of shape 0.25 (bursts); classes online:offline 1:1." in bursty_md
+    assert "outputs up to 128 tokens; load from bench.client;" in md
+    outside = build_doc({**config, "workload": "random", "client": "vllm bench serve"}, slo, _runs(), [])
+    outside_md = write_sweep_report(tmp_path / "outside", outside)["md"].read_text()
+    assert "prompts of 256 +- 90% tokens, 64 out; load from vllm bench serve;" in outside_md
     png = paths["png"].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     assert not any(math.isnan(x) for x in (data["slo"]["ttft_ms"], data["slo"]["tpot_ms"]))

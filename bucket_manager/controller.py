@@ -327,16 +327,17 @@ class Controller:
         self.dispatcher.batch_done(prefill_id, batch_id)
         self._wake.set()
 
-    async def requeue(self, request_id: str, reason: str, refused_by: str | None = None) -> bool:
-        """A prefilled request could not reach its decode worker: prefill it again (False: give up)."""
+    async def requeue(
+        self, request_id: str, reason: str, full_on: str | None = None, down: str | None = None
+    ) -> bool:
+        """A prefilled request could not reach its decode worker: prefill it again (False: give up). ``full_on``:
+        the decode worker that refused it as full (back-pressure, not a failed attempt); ``down``: the one that did
+        not answer (marked down)."""
         await self._ready()
         if request_id not in self.dispatcher:
             return False  # aborted or finished meanwhile
-        unreachable = "unreachable" in reason
-        if unreachable and refused_by is not None:
-            self._mark_down(refused_by)
-        # Otherwise a worker named as refusing it was full: back-pressure, not a failed attempt.
-        full_on = None if unreachable else refused_by
+        if down is not None:
+            self._mark_down(down)
         if not self.dispatcher.requeue(request_id, full_on, time.time()):
             logger.warning(
                 "request %s failed after %d attempts: %s", request_id, self.config.max_attempts, reason

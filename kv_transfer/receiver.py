@@ -93,9 +93,7 @@ class KVReceiver:
         need = spec.blocks_for_tokens(hs.num_tokens)
         with self.lock:
             if hs.request_id in self._refused:
-                return HandshakeResult(
-                    TransferStatus.ABORTED, spec.block_size, detail="aborted on the receiver"
-                )
+                return self._aborted_here(hs)
             old = self._inbound.get(hs.request_id)
             if old is not None and hs.attempt <= old.hs.attempt or hs.request_id in self._done:
                 return HandshakeResult(TransferStatus.DUPLICATE, spec.block_size, detail="already in flight")
@@ -105,9 +103,7 @@ class KVReceiver:
             self._close(hs.request_id, TransferStatus.ABORTED, "superseded by a retry")
         with self.lock:
             if hs.request_id in self._refused:  # aborted while the retry's old attempt was being closed
-                return HandshakeResult(
-                    TransferStatus.ABORTED, spec.block_size, detail="aborted on the receiver"
-                )
+                return self._aborted_here(hs)
             try:
                 ids = self.allocator.allocate(need)
             except NoFreeBlocksError:
@@ -119,6 +115,12 @@ class KVReceiver:
             now = time.monotonic()
             self._inbound[hs.request_id] = _Inbound(hs, ids, self._slot_map(hs, ids), now, now)
             return HandshakeResult(TransferStatus.OK, spec.block_size, need, self.allocator.num_free)
+
+    def _aborted_here(self, hs: Handshake) -> HandshakeResult:
+        """The answer to a handshake for a request aborted for good here (see :meth:`abort`): nothing reserved."""
+        return HandshakeResult(
+            TransferStatus.ABORTED, self.cache.spec.block_size, detail="aborted on the receiver"
+        )
 
     def _slot_map(self, hs: Handshake, ids: list[int]) -> torch.Tensor | None:
         bs = self.cache.spec.block_size

@@ -199,7 +199,7 @@ class PrefillWorker(EngineWorker):
             self.engine.detach(r.request_id).block_ids = []  # freed by the transport
             # Named: the gateway shows it, and it may be the first news of that worker's death to reach the client.
             full = decode_id if err.receiver_full else None
-            self._give_back(msg, f"KV transfer to {decode_id} refused: {err}", full)
+            self._give_back(msg, f"KV transfer to {decode_id} refused: {err}", full_on=full)
         self.heartbeat.push()
         return sends
 
@@ -285,11 +285,13 @@ class PrefillWorker(EngineWorker):
         announce = PrefilledMessage(
             msg, req.output_token_ids[0], req.output_logprobs[0] if req.output_logprobs else None
         )
+        unreachable = False
         try:
             accepted = ray.get(handle.expect.remote(announce, need), timeout=EXPECT_TIMEOUT_S)
             reason = f"decode worker {decode_id} full"
         except Exception as e:  # the decode worker died or hangs: place the request elsewhere
-            accepted, reason = False, f"decode worker {decode_id} unreachable: {type(e).__name__}"
+            accepted, unreachable = False, True
+            reason = f"decode worker {decode_id} unreachable: {type(e).__name__}"
         if self._aborted(rid) or not accepted:
             if streamed:
                 # Abort the transfer first (both sides free what they hold), then drop what already landed.
@@ -299,7 +301,10 @@ class PrefillWorker(EngineWorker):
             if streamed or accepted:
                 handle.forget.remote(rid)
             if not self._aborted(rid):
-                self._give_back(msg, reason, decode_id)
+                if unreachable:
+                    self._give_back(msg, reason, down=decode_id)
+                else:
+                    self._give_back(msg, reason, full_on=decode_id)
             return
         try:
             # The transport owns the blocks from here (from the handshake, when streamed) and frees them on
@@ -324,22 +329,26 @@ class PrefillWorker(EngineWorker):
         except KVTransferError as e:
             handle.forget.remote(rid)
             if not self._aborted(rid):
-                self._give_back(
-                    msg, f"KV transfer to {decode_id} failed: {e}", decode_id if e.receiver_full else None
-                )
+                full = decode_id if e.receiver_full else None
+                self._give_back(msg, f"KV transfer to {decode_id} failed: {e}", full_on=full)
         req.block_ids = []
 
     def _aborted(self, rid: str) -> bool:
         with self._cond:
             return rid in self._tombstones
 
-    def _give_back(self, msg: RequestMessage, reason: str, refused_by: str | None = None) -> None:
-        """Hand the request back to the controller to prefill again; fail it when it will not be retried."""
+    def _give_back(
+        self, msg: RequestMessage, reason: str, full_on: str | None = None, down: str | None = None
+    ) -> None:
+        """Hand the request back to the controller to prefill again; fail it when it will not be retried.
+        ``full_on``/``down``: the decode worker that refused it as full / did not answer (``Controller.requeue``)."""
         controller = self._get_controller()
         requeued = False
         if controller is not None:
             try:
-                requeued = ray.get(controller.requeue.remote(msg.request_id, reason, refused_by), timeout=30)
+                requeued = ray.get(
+                    controller.requeue.remote(msg.request_id, reason, full_on, down), timeout=30
+                )
             except Exception as e:
                 logger.warning("controller unreachable for requeue of %s: %s", msg.request_id, e)
         if not requeued and not self._aborted(msg.request_id):

@@ -80,11 +80,11 @@ async def collect(backend, req: Request, started: asyncio.Event | None = None) -
 
 async def gather_all(backend, tasks: list[asyncio.Task], timeout: float) -> list[Collected]:
     """Every task's result, or an assertion that names the requests still open and what the cluster holds."""
-    done, pending = await asyncio.wait(tasks, timeout=timeout)
+    _, pending = await asyncio.wait(tasks, timeout=timeout)
     if not pending:
         return [t.result() for t in tasks]
-    open_ids = sorted(rid for rid in backend._streams)
-    state = stats = None
+    open_ids = sorted(backend._streams)
+    state = None
     if getattr(backend.handles, "controller", None) is not None:
         try:
             state = await asyncio.wait_for(backend.handles.controller.state.remote(), 10)

@@ -51,7 +51,7 @@ def test_command_runs_the_random_dataset_with_the_sweeps_slos(tmp_path: Path) ->
     )
     cmd = bench.command(1.5, tmp_path / "r.json")
     assert cmd[:3] == ["/opt/v/bin/vllm", "bench", "serve"]
-    args = dict(zip(cmd[3::1], cmd[4::1], strict=False))
+    args = dict(zip(cmd[3:], cmd[4:], strict=False))  # each flag -> the word after it
     assert args["--dataset-name"] == "random" and args["--random-input-len"] == "256"
     assert args["--random-range-ratio"] == "0.9" and args["--random-output-len"] == "64"
     assert args["--request-rate"] == "1.5" and args["--num-prompts"] == "40" and args["--seed"] == "3"

@@ -7,7 +7,9 @@ In one process, on one device:
 2. the engine's prefill steps (1x1024, 8x256 by default) against their FLOPs at that matmul rate, and its decode
    steps (batch 1, 8, 32, 64 at context 512) against their bytes at that bandwidth, as ``bench roofline``
    computes them (every weight read once per step, the KV of every sequence read);
-3. offline generation at batch 64 (prompts of equal length, EOS ignored) through the engine against Hugging Face
+3. where the device time of a small decode step goes (``--profile-batch``, torch's profiler over its kernels:
+   GEMMs, attention, the rest) and how much of the step's wall time the device is idle;
+4. offline generation at batch 64 (prompts of equal length, EOS ignored) through the engine against Hugging Face
    ``generate`` with a static cache on the same prompts and checkpoint, with how many outputs are identical.
 
 The default model is the built-in ``llama3-8b-l8`` (Llama 3 8B's shapes with 8 of its layers, random bf16 weights,
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import shlex
 import statistics
 import sys
@@ -42,10 +45,19 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-batches", default="1,8,32,64", help="decode batch sizes, comma-separated")
     p.add_argument("--context", type=int, default=512, help="context length of the decode steps")
     p.add_argument("--repeats", type=int, default=10, help="timed calls per item (median reported)")
+    p.add_argument(
+        "--profile-batch", type=int, default=1, help="decode batch whose kernels are profiled (0: skip)"
+    )
     p.add_argument("--offline-batch", type=int, default=64, help="prompts generated at once (0: skip)")
     p.add_argument("--offline-prompt", type=int, default=256, help="tokens per offline prompt")
     p.add_argument("--offline-out", type=int, default=128, help="tokens generated per offline prompt")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument(
+        "--max-decode-splits",
+        type=int,
+        default=None,
+        help="most parts the CUDA decode kernel splits a context into (1: none; default: the kernel's own)",
+    )
     p.add_argument(
         "--compile", action="store_true", help="torch.compile the engine's forward (graphs still captured)"
     )
@@ -104,6 +116,50 @@ def time_hf_static(path, dev, dtype, prompts: list[list[int]], out: int) -> tupl
     return took, result[:, ids.shape[1] :].tolist()
 
 
+# Kernel names by what they compute: cuBLAS/cuBLASLt GEMMs and GEMVs (nvjet is cuBLASLt's Hopper family), the
+# paged-attention kernels, and the rest (norms, rotary embedding, residual adds, the KV write, sampling).
+_KERNEL_KINDS = (
+    ("gemm", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas", re.I)),
+    ("attention", re.compile(r"paged_decode|merge_splits|flash|attn", re.I)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in _KERNEL_KINDS if pattern.search(name)), "other")
+
+
+def profile_decode(engine, batch: int, context: int, steps: int) -> dict:
+    """Device time per decode step by kind of kernel, the busiest kernels, and the step's wall time: what the
+    device did not spend computing is the host's share (scheduling, inputs, sampling, the token's read-back)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.roofline import time_decode
+
+    on_cuda = engine.device.torch_device.type == "cuda"
+    prof = profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU])
+    times = time_decode(engine, batch, context, steps, around=lambda: prof)
+    kernels: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total / 1e3 / steps  # ms a step
+    by_kind: dict[str, float] = {}
+    for name, ms in kernels.items():
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + ms
+    busy = sum(kernels.values())
+    wall = statistics.median(times) * 1e3
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "batch": batch,
+        "context": context,
+        "wall_ms": wall,
+        "device_busy_ms": busy,
+        "device_idle_ms": wall - busy,
+        "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "top_kernels_ms": [{"kernel": name[:120], "ms": ms} for name, ms in top],
+    }
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -139,6 +195,10 @@ def run(args: argparse.Namespace) -> None:
             max_num_batched_tokens=budget,
         ),
     )
+    if args.max_decode_splits is not None:  # before the engine captures its decode graphs
+        from engine.kernels import paged_decode_triton
+
+        paged_decode_triton.MAX_SPLITS = args.max_decode_splits
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
     start_s = time.perf_counter() - t0
@@ -149,6 +209,10 @@ def run(args: argparse.Namespace) -> None:
     bw, rate = machine["bandwidth_Bps"], machine["gemm_flops"]
     shape = ModelShape.of(model, torch.tensor([], dtype=dtype).element_size())
     rows = step_rows(engine, shape, prefill, batches, args.context, args.repeats, bw, rate)
+    profiled = None
+    if args.profile_batch and dev.type == "cuda":
+        profiled = profile_decode(engine, args.profile_batch, args.context, args.repeats)
+        logger.info("decode batch %d, device time by kind (ms a step): %s", args.profile_batch, profiled)
     offline = None
     if args.offline_batch:
         vocab = len(engine.tokenizer)
@@ -178,11 +242,13 @@ def run(args: argparse.Namespace) -> None:
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
         "dtype": str(dtype).removeprefix("torch."),
         "compiled": args.compile,
+        "max_decode_splits": args.max_decode_splits,
         "torch": torch.__version__,
         "engine_start_s": start_s,
         "bandwidth_GBps": bw / 1e9,
         "gemm_TFLOPs": rate / 1e12,
         "rows": rows,
+        "decode_profile": profiled,
         "offline": offline,
     }
     table = [("step", "measured ms", "bound", "bound ms", "measured / bound", "achieved")]
@@ -200,6 +266,18 @@ def run(args: argparse.Namespace) -> None:
                 f"{r['bound_ms']:.3f}",
                 f"{r['ratio']:.2f}",
                 achieved,
+            )
+        )
+    if profiled:
+        kinds = ", ".join(f"{k} {ms:.2f}" for k, ms in profiled["by_kind_ms"].items())
+        table.append(
+            (
+                f"decode batch {profiled['batch']}: device ms by kind",
+                f"{profiled['wall_ms']:.2f} wall, profiled",
+                kinds,
+                f"{profiled['device_busy_ms']:.2f} busy",
+                "",
+                f"{profiled['device_idle_ms']:.2f} ms idle",
             )
         )
     if offline:

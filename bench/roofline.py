@@ -18,6 +18,7 @@ one after the other, though: the weight GEMMs (compute-bound from a few dozen ro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import statistics
 import time
@@ -187,7 +188,9 @@ def time_prefill(engine, batch: int, tokens: int, repeats: int) -> list[float]:
     return times
 
 
-def time_decode(engine, batch: int, context: int, repeats: int) -> list[float]:
+def time_decode(engine, batch: int, context: int, repeats: int, around=contextlib.nullcontext) -> list[float]:
+    """Wall time of ``repeats`` decode steps of ``batch`` sequences at ``context``; the timed steps run inside
+    ``around()`` (a profiler, say)."""
     from engine.request import Request, SamplingParams
 
     vocab = engine.loaded.model.config.vocab_size
@@ -201,10 +204,11 @@ def time_decode(engine, batch: int, context: int, repeats: int) -> list[float]:
             engine.admit_prefilled(engine.detach(r.request_id))
     engine.step()  # untimed first decode step
     times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
+    with around():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
     for r in reqs:
         engine.abort(r.request_id)
     engine.check_integrity()

@@ -62,3 +62,27 @@ def test_decode_kernel_reads_only_the_blocks_under_seq_len(dtype: torch.dtype) -
         paged_decode_triton(out, q, k_cache, v_cache, block_table, seq_lens, scale)
 
     _check(c, decode)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 2, 4, 16])
+def test_decode_kernel_split_contexts_match_dense(splits: int, dtype: torch.dtype) -> None:
+    # Long and short contexts side by side: parts past a short context's end are empty and weigh nothing in the
+    # merge; a long one spreads over every part.
+    from engine.kernels.paged_decode_triton import paged_decode_triton
+
+    c = make_case([(1, 1500), (1, 5), (1, 700), (1, 64)], 4, 16, dtype, seed=11)
+
+    def decode(out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale):
+        paged_decode_triton(out, q, k_cache, v_cache, block_table, seq_lens, scale, splits=splits)
+
+    _check(c, decode)
+
+
+def test_small_decode_batches_split_their_contexts() -> None:
+    from engine.kernels.paged_decode_triton import MAX_SPLITS, decode_splits
+
+    assert decode_splits(1, 8) == MAX_SPLITS
+    assert decode_splits(8, 8) == 2
+    assert decode_splits(64, 8) == 1
+    assert all(decode_splits(b, 8) >= decode_splits(b + 1, 8) for b in range(1, 64))

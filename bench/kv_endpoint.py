@@ -54,6 +54,12 @@ class _Core:
         with self.t.lock:
             self.t.allocator.free(block_ids)
 
+    def admit_up_to(self, max_reserve_tokens: int | None) -> None:
+        """As a decode worker judges its room: refuse a handshake whose reservation is over this many tokens
+        (None: take whatever fits)."""
+        limit = max_reserve_tokens
+        self.t.receiver.admission = None if limit is None else (lambda hs, _need: hs.reserve_tokens <= limit)
+
 
 def _child(
     conn,
@@ -144,6 +150,9 @@ class EndpointProcess:
 
     def free(self, block_ids: list[int]) -> None:
         self._call("free", block_ids)
+
+    def admit_up_to(self, max_reserve_tokens: int | None) -> None:
+        self._call("admit_up_to", max_reserve_tokens)
 
     def close(self) -> None:
         if self.proc.is_alive():

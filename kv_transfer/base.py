@@ -94,8 +94,9 @@ class SenderSession(ABC):
         transfer (abort, bad chunk)."""
 
     @abstractmethod
-    def finish(self) -> tuple[TransferStatus, str]:
-        """All chunks handed over: wait for the receiver's verdict."""
+    def finish(self, commit: bytes) -> tuple[TransferStatus, str]:
+        """All chunks handed over: send the commit as the transfer's last message (the receiver hands the KV
+        over with it), then wait for the receiver's verdict."""
 
     @abstractmethod
     def cancel(self) -> None:
@@ -112,6 +113,7 @@ class _Outbound:
     plans: list[ChunkPlan]
     metrics: TransferMetrics
     t0: float
+    reserve_tokens: int = 0
     attempt: int = 0
     session: SenderSession | None = None
     sent_layers: set[int] = field(default_factory=set)
@@ -124,10 +126,16 @@ class _Outbound:
 class KVTransport(ABC):
     """Moves a request's KV blocks from a prefill worker's cache into a decode worker's cache.
 
-    Sending side::
+    Sending side, one transaction per request::
 
-        t.send(peer, request_id, block_ids, num_tokens, first_token)   # all at once, or:
-        t.begin_send(peer, ...); t.send_layer(request_id, i) as layers are written; t.finish(request_id)
+        t.send(peer, request_id, block_ids, num_tokens, first_token, commit)   # all at once, or:
+        t.begin_send(peer, ...); t.send_layer(request_id, i) as layers are written; t.finish(request_id, commit)
+
+    The handshake (``begin_send``) carries what the receiver must admit (``reserve_tokens``: the room the request
+    may grow to there); the commit, the transfer's last message, carries what the receiver runs the request on
+    (the cluster sends the prefilled request, first token included, which a streamed transfer only has at the
+    end). The receiver hands over nothing before the commit, so a transfer that never commits leaves nothing
+    behind there.
 
     The transport takes ownership of ``block_ids``: they are freed when the receiver acknowledges,
     when the transfer fails for good (``KVTransferError``: recompute), on abort, or when the lease
@@ -191,13 +199,26 @@ class KVTransport(ABC):
         request does not pay for it. Best effort: a peer that cannot be reached now fails its transfers by name."""
 
     def send(
-        self, peer: str, request_id: str, block_ids: Sequence[int], num_tokens: int, first_token: int
+        self,
+        peer: str,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        first_token: int,
+        commit: bytes = b"",
+        reserve_tokens: int = 0,
     ) -> TransferMetrics:
-        self.begin_send(peer, request_id, block_ids, num_tokens, first_token)
-        return self.finish(request_id)
+        self.begin_send(peer, request_id, block_ids, num_tokens, first_token, reserve_tokens)
+        return self.finish(request_id, commit)
 
     def begin_send(
-        self, peer: str, request_id: str, block_ids: Sequence[int], num_tokens: int, first_token: int
+        self,
+        peer: str,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        first_token: int,
+        reserve_tokens: int = 0,
     ) -> None:
         """Lease the blocks and handshake; raises KVTransferError (FULL, MISMATCH, ...) with the
         blocks freed. Layers then go with :meth:`send_layer`, the rest with :meth:`finish`."""
@@ -218,6 +239,7 @@ class KVTransport(ABC):
             [],  # planned per attempt, once the way to the peer is known
             TransferMetrics(request_id, self.name, peer, num_tokens),
             time.perf_counter(),
+            reserve_tokens,
         )
         with self.lock:
             self._outbound[request_id] = out
@@ -247,6 +269,7 @@ class KVTransport(ABC):
             num_chunks=len(out.plans),
             attempt=out.attempt,
             num_streams=self.config.num_streams,
+            reserve_tokens=out.reserve_tokens,
         )
         result, session = self._busy(out, lambda: self._connect(out.peer, hs))
         if result.status is not TransferStatus.OK or session is None:
@@ -305,9 +328,9 @@ class KVTransport(ABC):
             out = self._outbound.get(request_id)
         return set(out.sent_layers) if out is not None else set()
 
-    def finish(self, request_id: str) -> TransferMetrics:
-        """Send the layers not yet sent, wait for the acknowledgement (retrying a damaged transfer up
-        to ``max_retries`` times) and free the sender's blocks. Raises KVTransferError on failure."""
+    def finish(self, request_id: str, commit: bytes = b"") -> TransferMetrics:
+        """Send the layers not yet sent and the commit, wait for the acknowledgement (retrying a damaged
+        transfer up to ``max_retries`` times) and free the sender's blocks. Raises KVTransferError on failure."""
         out = self._get_out(request_id)
         error: KVTransferError | None = None
         try:
@@ -321,7 +344,7 @@ class KVTransport(ABC):
                         session.cancel()
                         status, detail = out.broken.status, out.broken.detail
                     else:
-                        status, detail = self._busy(out, session.finish)
+                        status, detail = self._busy(out, lambda s=session: s.finish(commit))
                     if status is TransferStatus.OK:
                         break
                     if status.retryable and out.attempt <= self.config.max_retries and out.aborted is None:

@@ -66,6 +66,7 @@ class KVService:
             num_chunks=req.num_chunks,
             attempt=req.attempt,
             num_streams=req.num_streams,
+            reserve_tokens=req.reserve_tokens,
         )
         r = self.rx.handshake(hs)
         return pb.HandshakeReply(
@@ -84,6 +85,9 @@ class KVService:
                     raise KVTransferError(
                         TransferStatus.INVALID, "chunk of another request on this stream", rid
                     )
+                if header.HasField("commit"):
+                    self.rx.commit(rid, header.commit)
+                    continue
                 self.rx.write(info_from_pb(header), payload)
             status, final, detail = self.rx.end_stream(rid)
             return make_ack(status, rid, detail, final)
@@ -97,6 +101,13 @@ class KVService:
         rid = request_id_of(context)
         try:
             for header, _ in chunks:
+                if header.HasField("commit"):
+                    if header.request_id != rid:
+                        raise KVTransferError(
+                            TransferStatus.INVALID, "commit of another request on this stream", rid
+                        )
+                    self.rx.commit(rid, header.commit)
+                    continue
                 buf = self._segment(header.shm_name, rid)
                 payload = buf[header.shm_offset : header.shm_offset + header.nbytes]
                 if header.request_id != rid or len(payload) != header.nbytes:

@@ -18,7 +18,7 @@ from .config import TransferConfig
 from .grpc_codes import ACK_TO_STATUS, POLL_S, SERVICE, identity, rpc_error
 from .shm import ShmRing
 from .types import KVTransferError, TransferStatus
-from .wire import ChunkPlan, encode_chunk, header_pb
+from .wire import ChunkPlan, commit_message, encode_chunk, header_pb
 
 
 class SessionHost(Protocol):
@@ -103,7 +103,10 @@ class GrpcSession(SenderSession):
                 TransferStatus.ABORTED if status is TransferStatus.OK else status, ack.detail, self.request_id
             )
 
-    def finish(self) -> tuple[TransferStatus, str]:
+    def finish(self, commit: bytes) -> tuple[TransferStatus, str]:
+        # The commit goes last on the first stream: the receiver's final verdict waits for every stream to end,
+        # so it is in before the KV is handed over, whichever stream ends last.
+        self.streams[0].put(commit_message(self.request_id, commit), self.calls[0].done)
         for stream, call in zip(self.streams, self.calls, strict=True):
             stream.put(None, call.done)
         final: tuple[TransferStatus, str] | None = None
@@ -214,7 +217,8 @@ class ShmSession(SenderSession):
         if not self.stream.put(encode_chunk(header), self.done.is_set):
             self._raise_ended()
 
-    def finish(self) -> tuple[TransferStatus, str]:
+    def finish(self, commit: bytes) -> tuple[TransferStatus, str]:
+        self.stream.put(commit_message(self.request_id, commit), self.done.is_set)
         self.stream.put(None, self.done.is_set)
         if not self.done.wait(self.timeout):
             self.cancel()

@@ -189,6 +189,7 @@ class GrpcKVTransport(KVTransport):
             attempt=hs.attempt,
             # The shared-memory path is one stream: it is bounded by memcpy, not by a socket.
             num_streams=1 if route == "shm" else hs.num_streams,
+            reserve_tokens=hs.reserve_tokens,
         )
         reply = self._unary(peer, "Handshake", req, pb.HandshakeReply, hs.request_id)
         result = HandshakeResult(

@@ -31,10 +31,11 @@ class _LocalSession(SenderSession):
             self.failed = e
             raise
 
-    def finish(self) -> tuple[TransferStatus, str]:
+    def finish(self, commit: bytes) -> tuple[TransferStatus, str]:
         if self.failed is not None:
             return self.failed.status, self.failed.detail
         try:
+            self.peer.receiver.commit(self.request_id, commit)
             status, _final, detail = self.peer.receiver.end_stream(self.request_id)
         except KVTransferError as e:
             return e.status, e.detail

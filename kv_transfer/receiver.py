@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,7 @@ class _Inbound:
     closed: bool = False
     writers: int = 0
     cond: threading.Condition = field(default_factory=threading.Condition)
+    commit: bytes = b""  # the sender's commit, once it came (the transfer's last message)
 
 
 class KVReceiver:
@@ -76,6 +78,9 @@ class KVReceiver:
         # that arrives later (sent before its sender heard) is refused, or it would hold blocks nobody takes until
         # the receive timeout. Kept for that timeout; bounded.
         self._refused: OrderedDict[str, float] = OrderedDict()
+        # The receiving worker's judgement of a handshake, called under ``lock`` with the handshake and the blocks
+        # its KV takes, before they are allocated: False answers FULL. None: any request whose KV fits is taken.
+        self.admission: Callable[[Handshake, int], bool] | None = None
 
     # -- handshake -------------------------------------------------------------------------------
     def handshake(self, hs: Handshake) -> HandshakeResult:
@@ -104,10 +109,19 @@ class KVReceiver:
         with self.lock:
             if hs.request_id in self._refused:  # aborted while the retry's old attempt was being closed
                 return self._aborted_here(hs)
+            free = self.allocator.num_free
+            if self.admission is not None and not self.admission(hs, need):
+                log.info("kv receive %s refused: no room to finish it (%d blocks free)", hs.request_id, free)
+                return HandshakeResult(
+                    TransferStatus.FULL,
+                    spec.block_size,
+                    need,
+                    free,
+                    f"no room for {max(hs.reserve_tokens, hs.num_tokens)} tokens ({free} blocks free)",
+                )
             try:
                 ids = self.allocator.allocate(need)
             except NoFreeBlocksError:
-                free = self.allocator.num_free
                 log.info("kv receive %s refused: needs %d blocks, %d free", hs.request_id, need, free)
                 return HandshakeResult(
                     TransferStatus.FULL, spec.block_size, need, free, f"needs {need} blocks, {free} free"
@@ -254,6 +268,13 @@ class KVReceiver:
         self.cache.flat_slots(info.layer, info.kv).index_copy_(0, inb.slot_map[tok0:tok1], tokens)
         return None
 
+    def commit(self, request_id: str, payload: bytes) -> None:
+        """The transfer's commit (its sender's last message): handed over with the KV once every stream ends."""
+        inb = self._get(request_id)
+        with inb.cond:
+            inb.commit = bytes(payload)
+            inb.last_activity = time.monotonic()
+
     def end_stream(self, request_id: str) -> tuple[TransferStatus, bool, str]:
         """One transfer stream ended. Returns (status, final, detail); final is False while other
         parallel streams of the request are still running."""
@@ -296,6 +317,8 @@ class KVReceiver:
                     inb.hs.first_token,
                     inb.bytes,
                     time.monotonic() - inb.started,
+                    inb.commit,
+                    inb.hs.reserve_tokens,
                 )
 
     def _close(self, request_id: str, status: TransferStatus, reason: str) -> bool:
@@ -359,6 +382,12 @@ class KVReceiver:
     def is_idle(self) -> bool:
         with self.lock:
             return not self._inbound and not self._done
+
+    def arriving(self) -> dict[str, tuple[int, int]]:
+        """Requests whose KV is here or on its way, not yet taken: request id -> (blocks held, tokens reserved)."""
+        with self.lock:
+            items = [*self._inbound.items(), *((rid, inb) for rid, (inb, _) in self._done.items())]
+            return {rid: (len(inb.block_ids), inb.hs.reserve_tokens) for rid, inb in items}
 
     def blocks_by_request(self) -> dict[str, int]:
         """Blocks held here per request: transfers in flight and received ones not yet taken."""

@@ -10,20 +10,20 @@ layers not yet sent (normally the last one) and the acknowledgement remain::
     for req, peer in batch:                          # blocks must exist before the first layer
         streamer.begin(peer, req.request_id, req.block_ids, req.num_tokens)
     outs = engine.prefill_only(reqs, on_layer_written=streamer.on_layer_written)
-    results = streamer.finish()                      # request id -> TransferMetrics or KVTransferError
+    results = streamer.finish(commits=commits)       # request id -> TransferMetrics or KVTransferError
 
 The handshakes can also run while the forward pass computes (:meth:`begin_all`, then :meth:`begun` once the
 pass is over): the sender thread handshakes each request first, then sends the layers as they come, so the
 time to first token does not wait on the decode side's answer. A request its peer refused then went through
 the forward pass for nothing; :meth:`begun` names it, and its blocks are already freed::
 
-    streamer.begin_all([(peer, req.request_id, req.block_ids, req.num_tokens) for req, peer in batch])
+    streamer.begin_all([(peer, req.request_id, req.block_ids, req.num_tokens, reserve) for req, peer in batch])
     outs = engine.prefill_only(reqs, on_layer_written=streamer.on_layer_written)
     refused = streamer.begun()                       # request id -> KVTransferError
 
 The first token is sampled only after the last layer, so the handshake of a streamed transfer
-carries ``first_token = -1`` (:data:`FIRST_TOKEN_PENDING`); the decode side takes the token from the
-request's announcement instead. Ownership of the blocks is the transport's from :meth:`begin` on
+carries ``first_token = -1`` (:data:`FIRST_TOKEN_PENDING`); the commit that :meth:`finish` sends last carries
+it, with the rest of what the decode side runs the request on. Ownership of the blocks is the transport's from :meth:`begin` on
 (freed on acknowledgement, failure, abort or lease expiry), exactly as with ``KVTransport.send``.
 """
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from .types import KVTransferError, TransferMetrics, TransferStatus
@@ -40,8 +40,8 @@ from .types import KVTransferError, TransferMetrics, TransferStatus
 if TYPE_CHECKING:  # the transports (and torch) load with the worker that opens one
     from .base import KVTransport
 
-# One transfer to open: (peer, request id, block ids, number of tokens).
-_Begin = tuple[str, str, Sequence[int], int]
+# One transfer to open: (peer, request id, block ids, number of tokens, tokens to reserve on the peer).
+_Begin = tuple[str, str, Sequence[int], int, int]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class LayerStreamer:
         block_ids: Sequence[int],
         num_tokens: int,
         first_token: int = FIRST_TOKEN_PENDING,
+        reserve_tokens: int = 0,
     ) -> bool:
         """Lease ``block_ids`` and handshake now, before the compute. Returns False when the peer
         refused (the error is kept for :meth:`finish`; the blocks are already freed, as with
@@ -84,7 +85,7 @@ class LayerStreamer:
         if self._finished:
             raise RuntimeError("LayerStreamer.begin after finish")
         try:
-            self.transport.begin_send(peer, request_id, block_ids, num_tokens, first_token)
+            self.transport.begin_send(peer, request_id, block_ids, num_tokens, first_token, reserve_tokens)
         except KVTransferError as e:
             self._errors[request_id] = e
             return False
@@ -92,7 +93,8 @@ class LayerStreamer:
         return True
 
     def begin_all(self, transfers: Sequence[_Begin]) -> None:
-        """Lease and handshake each (peer, request id, block ids, num tokens) in the sender thread, ahead of the
+        """Lease and handshake each (peer, request id, block ids, num tokens, tokens to reserve) in the sender
+        thread, ahead of the
         layers, and return at once: the forward pass runs meanwhile. Call :meth:`begun` before relying on which
         requests started. Ownership of each request's blocks passes to the transport when its handshake runs."""
         if self._finished or self._begins is not None:
@@ -128,9 +130,9 @@ class LayerStreamer:
 
     def _begin_each(self, transfers: list[_Begin]) -> None:
         try:
-            for peer, rid, block_ids, num_tokens in transfers:
+            for peer, rid, block_ids, num_tokens, reserve in transfers:
                 try:
-                    self.begin(peer, rid, block_ids, num_tokens)
+                    self.begin(peer, rid, block_ids, num_tokens, reserve_tokens=reserve)
                 except Exception as e:  # begin_send raises KVTransferError only; anything else is a bug there
                     log.exception("kv handshake of %s", rid)
                     self._errors[rid] = KVTransferError(TransferStatus.UNAVAILABLE, repr(e), rid)
@@ -171,21 +173,25 @@ class LayerStreamer:
             thread.join()
 
     def finish(
-        self, request_ids: Sequence[str] | None = None
+        self, request_ids: Sequence[str] | None = None, commits: Mapping[str, bytes] | None = None
     ) -> dict[str, TransferMetrics | KVTransferError]:
         """Wait for the queued layers, send whatever was not sent (every layer when the engine ran
-        without the hook), then wait for the acknowledgement of ``request_ids`` (default: every
-        request not yet finished or cancelled). Never raises for one request; a request the peer
-        refused at :meth:`begin` is reported with its error."""
+        without the hook) and each request's commit (``commits``, empty for a request not named), then wait for
+        the acknowledgement of ``request_ids`` (default: the requests of ``commits``, or with neither, every
+        request not yet finished or cancelled). Never raises for one request; a request the peer refused at
+        :meth:`begin` is reported with its error."""
         self._stop_thread()
-        wanted = list(self._started) + list(self._errors) if request_ids is None else list(request_ids)
+        commits = commits or {}
+        if request_ids is None:
+            request_ids = list(commits) if commits else list(self._started) + list(self._errors)
+        wanted = list(request_ids)
         results: dict[str, TransferMetrics | KVTransferError] = {}
         for rid in dict.fromkeys(wanted):
             if rid in self._started:
                 self._started.remove(rid)
                 try:
                     # Also for a request that failed while streaming: this ends its bookkeeping.
-                    metrics = self.transport.finish(rid)
+                    metrics = self.transport.finish(rid, commits.get(rid, b""))
                 except KVTransferError as e:
                     results[rid] = self._errors.pop(rid, e)
                 else:

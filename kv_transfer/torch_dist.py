@@ -76,12 +76,15 @@ class _DistSession(SenderSession):
             self.t._send_hdr(self.dst, hdr, self.t.data_group)
             self.t._send(_bytes_tensor(views), self.dst, _TAG_DATA)
 
-    def finish(self) -> tuple[TransferStatus, str]:
+    def finish(self, commit: bytes) -> tuple[TransferStatus, str]:
         with self.wire:
             if self.ended:
                 return TransferStatus.ABORTED, "cancelled"
             try:
-                self.t._send_hdr(self.dst, [_FINISH], self.t.data_group)
+                # The commit's length in the header's last slot, its bytes on the data tag after it.
+                self.t._send_hdr(self.dst, [_FINISH, 0, 0, 0, 0, 0, 0, len(commit)], self.t.data_group)
+                if commit:
+                    self.t._send(torch.frombuffer(bytearray(commit), dtype=torch.uint8), self.dst, _TAG_DATA)
                 reply = self.t._recv_reply(self.dst)
             finally:
                 self._end()
@@ -230,8 +233,16 @@ class TorchDistKVTransport(KVTransport):
                         except KVTransferError as e:
                             failed = e  # keep draining: the sender streams until FINISH
                 elif kind == _FINISH:
+                    commit = b""
+                    if hdr[7]:
+                        commit = (
+                            self._recv(torch.empty(hdr[7], dtype=torch.uint8), src, _TAG_DATA)
+                            .numpy()
+                            .tobytes()
+                        )
                     if failed is None:
                         try:
+                            self.receiver.commit(hs.request_id, commit)
                             status, _final, detail = self.receiver.end_stream(hs.request_id)
                         except KVTransferError as e:
                             status, detail = e.status, e.detail

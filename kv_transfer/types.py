@@ -58,6 +58,9 @@ class Handshake:
     num_chunks: int
     attempt: int = 1
     num_streams: int = 1
+    # Tokens the request may grow to on the receiver (prompt + max_tokens), admitted with the KV's blocks: the
+    # receiver's owner judges its room at this one moment (0: the KV's own blocks only).
+    reserve_tokens: int = 0
 
     def validate(self) -> None:
         if not self.request_id:
@@ -70,6 +73,8 @@ class Handshake:
             raise ValueError(f"Handshake.num_chunks must be > 0, got {self.num_chunks}")
         if self.num_streams <= 0:
             raise ValueError(f"Handshake.num_streams must be > 0, got {self.num_streams}")
+        if self.reserve_tokens < 0:
+            raise ValueError(f"Handshake.reserve_tokens must be >= 0, got {self.reserve_tokens}")
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,10 @@ class ReceivedKV:
     first_token: int
     bytes_received: int
     latency_s: float
+    # The sender's commit: what the receiver runs the request on (the cluster's prefilled request); empty when
+    # the sender committed nothing.
+    commit: bytes = b""
+    reserve_tokens: int = 0  # as the handshake admitted it
 
 
 @dataclass

@@ -164,6 +164,11 @@ def header_pb(
     )
 
 
+def commit_message(request_id: str, commit: bytes) -> bytes:
+    """A transfer's last message: a header that carries the commit (and no chunk)."""
+    return encode_chunk(pb.ChunkHeader(request_id=request_id, commit=commit))
+
+
 def info_from_pb(h: pb.ChunkHeader) -> ChunkInfo:
     return ChunkInfo(h.request_id, h.seq, h.layer, h.kv, h.first_block, h.num_blocks, h.crc32, h.nbytes)
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\x0e\x62ucketserve.kv\"s\n\x10ModelFingerprint\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\"\xdb\x01\n\x10HandshakeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x35\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32 .bucketserve.kv.ModelFingerprint\x12\x19\n\x11sender_block_size\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x05 \x01(\x03\x12\x12\n\nnum_chunks\x18\x06 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x07 \x01(\r\x12\x13\n\x0bnum_streams\x18\x08 \x01(\r\"\xf6\x01\n\x0eHandshakeReply\x12\x35\n\x06status\x18\x01 \x01(\x0e\x32%.bucketserve.kv.HandshakeReply.Status\x12\x1b\n\x13receiver_block_size\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\"W\n\x06Status\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x00\x12\x08\n\x04\x46ULL\x10\x01\x12\x0c\n\x08MISMATCH\x10\x02\x12\x0b\n\x07INVALID\x10\x03\x12\r\n\tDUPLICATE\x10\x04\x12\x0b\n\x07\x41\x42ORTED\x10\x05\"\xcd\x01\n\x0b\x43hunkHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\r\n\x05layer\x18\x03 \x01(\r\x12\n\n\x02kv\x18\x04 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\r\n\x05\x63rc32\x18\x07 \x01(\r\x12\x0e\n\x06nbytes\x18\x08 \x01(\x04\x12\x12\n\nshm_offset\x18\t \x01(\x04\x12\x10\n\x08shm_name\x18\n \x01(\t\x12\x14\n\x0crelease_slot\x18\x0b \x01(\x08\"G\n\x07KVChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.bucketserve.kv.ChunkHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"\xe2\x01\n\x0bTransferAck\x12\x32\n\x06status\x18\x01 \x01(\x0e\x32\".bucketserve.kv.TransferAck.Status\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\"T\n\x06Status\x12\x06\n\x02OK\x10\x00\x12\x0c\n\x08\x43HECKSUM\x10\x01\x12\r\n\tTRUNCATED\x10\x02\x12\x0b\n\x07\x41\x42ORTED\x10\x03\x12\x0b\n\x07UNKNOWN\x10\x04\x12\x0b\n\x07INVALID\x10\x05\"]\n\x0bSlotRelease\x12\x12\n\nshm_offset\x18\x01 \x01(\x04\x12(\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x1b.bucketserve.kv.TransferAck\x12\x10\n\x08shm_name\x18\x03 \x01(\t\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"!\n\x0cStatsRequest\x12\x11\n\tshm_probe\x18\x01 \x01(\t\"\x80\x01\n\nStatsReply\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x13\n\x0bused_blocks\x18\x03 \x01(\r\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x0e\n\x06shm_ok\x18\x06 \x01(\x08\x32\xf7\x02\n\nKVTransfer\x12M\n\tHandshake\x12 .bucketserve.kv.HandshakeRequest\x1a\x1e.bucketserve.kv.HandshakeReply\x12\x42\n\x08Transfer\x12\x17.bucketserve.kv.KVChunk\x1a\x1b.bucketserve.kv.TransferAck(\x01\x12P\n\x14SharedMemoryTransfer\x12\x17.bucketserve.kv.KVChunk\x1a\x1b.bucketserve.kv.SlotRelease(\x01\x30\x01\x12\x41\n\x05\x41\x62ort\x12\x1c.bucketserve.kv.AbortRequest\x1a\x1a.bucketserve.kv.AbortReply\x12\x41\n\x05Stats\x12\x1c.bucketserve.kv.StatsRequest\x1a\x1a.bucketserve.kv.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\x0e\x62ucketserve.kv\"s\n\x10ModelFingerprint\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\"\xf3\x01\n\x10HandshakeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x35\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32 .bucketserve.kv.ModelFingerprint\x12\x19\n\x11sender_block_size\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x05 \x01(\x03\x12\x12\n\nnum_chunks\x18\x06 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x07 \x01(\r\x12\x13\n\x0bnum_streams\x18\x08 \x01(\r\x12\x16\n\x0ereserve_tokens\x18\t \x01(\r\"\xf6\x01\n\x0eHandshakeReply\x12\x35\n\x06status\x18\x01 \x01(\x0e\x32%.bucketserve.kv.HandshakeReply.Status\x12\x1b\n\x13receiver_block_size\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\"W\n\x06Status\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x00\x12\x08\n\x04\x46ULL\x10\x01\x12\x0c\n\x08MISMATCH\x10\x02\x12\x0b\n\x07INVALID\x10\x03\x12\r\n\tDUPLICATE\x10\x04\x12\x0b\n\x07\x41\x42ORTED\x10\x05\"\xed\x01\n\x0b\x43hunkHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\r\n\x05layer\x18\x03 \x01(\r\x12\n\n\x02kv\x18\x04 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\r\n\x05\x63rc32\x18\x07 \x01(\r\x12\x0e\n\x06nbytes\x18\x08 \x01(\x04\x12\x12\n\nshm_offset\x18\t \x01(\x04\x12\x10\n\x08shm_name\x18\n \x01(\t\x12\x14\n\x0crelease_slot\x18\x0b \x01(\x08\x12\x13\n\x06\x63ommit\x18\x0c \x01(\x0cH\x00\x88\x01\x01\x42\t\n\x07_commit\"G\n\x07KVChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.bucketserve.kv.ChunkHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"\xe2\x01\n\x0bTransferAck\x12\x32\n\x06status\x18\x01 \x01(\x0e\x32\".bucketserve.kv.TransferAck.Status\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\"T\n\x06Status\x12\x06\n\x02OK\x10\x00\x12\x0c\n\x08\x43HECKSUM\x10\x01\x12\r\n\tTRUNCATED\x10\x02\x12\x0b\n\x07\x41\x42ORTED\x10\x03\x12\x0b\n\x07UNKNOWN\x10\x04\x12\x0b\n\x07INVALID\x10\x05\"]\n\x0bSlotRelease\x12\x12\n\nshm_offset\x18\x01 \x01(\x04\x12(\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x1b.bucketserve.kv.TransferAck\x12\x10\n\x08shm_name\x18\x03 \x01(\t\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"!\n\x0cStatsRequest\x12\x11\n\tshm_probe\x18\x01 \x01(\t\"\x80\x01\n\nStatsReply\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x13\n\x0bused_blocks\x18\x03 \x01(\r\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x0f\n\x07node_id\x18\x05 \x01(\t\x12\x0e\n\x06shm_ok\x18\x06 \x01(\x08\x32\xf7\x02\n\nKVTransfer\x12M\n\tHandshake\x12 .bucketserve.kv.HandshakeRequest\x1a\x1e.bucketserve.kv.HandshakeReply\x12\x42\n\x08Transfer\x12\x17.bucketserve.kv.KVChunk\x1a\x1b.bucketserve.kv.TransferAck(\x01\x12P\n\x14SharedMemoryTransfer\x12\x17.bucketserve.kv.KVChunk\x1a\x1b.bucketserve.kv.SlotRelease(\x01\x30\x01\x12\x41\n\x05\x41\x62ort\x12\x1c.bucketserve.kv.AbortRequest\x1a\x1a.bucketserve.kv.AbortReply\x12\x41\n\x05Stats\x12\x1c.bucketserve.kv.StatsRequest\x1a\x1a.bucketserve.kv.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,29 +34,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELFINGERPRINT']._serialized_start=37
   _globals['_MODELFINGERPRINT']._serialized_end=152
   _globals['_HANDSHAKEREQUEST']._serialized_start=155
-  _globals['_HANDSHAKEREQUEST']._serialized_end=374
-  _globals['_HANDSHAKEREPLY']._serialized_start=377
-  _globals['_HANDSHAKEREPLY']._serialized_end=623
-  _globals['_HANDSHAKEREPLY_STATUS']._serialized_start=536
-  _globals['_HANDSHAKEREPLY_STATUS']._serialized_end=623
-  _globals['_CHUNKHEADER']._serialized_start=626
-  _globals['_CHUNKHEADER']._serialized_end=831
-  _globals['_KVCHUNK']._serialized_start=833
-  _globals['_KVCHUNK']._serialized_end=904
-  _globals['_TRANSFERACK']._serialized_start=907
-  _globals['_TRANSFERACK']._serialized_end=1133
-  _globals['_TRANSFERACK_STATUS']._serialized_start=1049
-  _globals['_TRANSFERACK_STATUS']._serialized_end=1133
-  _globals['_SLOTRELEASE']._serialized_start=1135
-  _globals['_SLOTRELEASE']._serialized_end=1228
-  _globals['_ABORTREQUEST']._serialized_start=1230
-  _globals['_ABORTREQUEST']._serialized_end=1280
-  _globals['_ABORTREPLY']._serialized_start=1282
-  _globals['_ABORTREPLY']._serialized_end=1309
-  _globals['_STATSREQUEST']._serialized_start=1311
-  _globals['_STATSREQUEST']._serialized_end=1344
-  _globals['_STATSREPLY']._serialized_start=1347
-  _globals['_STATSREPLY']._serialized_end=1475
-  _globals['_KVTRANSFER']._serialized_start=1478
-  _globals['_KVTRANSFER']._serialized_end=1853
+  _globals['_HANDSHAKEREQUEST']._serialized_end=398
+  _globals['_HANDSHAKEREPLY']._serialized_start=401
+  _globals['_HANDSHAKEREPLY']._serialized_end=647
+  _globals['_HANDSHAKEREPLY_STATUS']._serialized_start=560
+  _globals['_HANDSHAKEREPLY_STATUS']._serialized_end=647
+  _globals['_CHUNKHEADER']._serialized_start=650
+  _globals['_CHUNKHEADER']._serialized_end=887
+  _globals['_KVCHUNK']._serialized_start=889
+  _globals['_KVCHUNK']._serialized_end=960
+  _globals['_TRANSFERACK']._serialized_start=963
+  _globals['_TRANSFERACK']._serialized_end=1189
+  _globals['_TRANSFERACK_STATUS']._serialized_start=1105
+  _globals['_TRANSFERACK_STATUS']._serialized_end=1189
+  _globals['_SLOTRELEASE']._serialized_start=1191
+  _globals['_SLOTRELEASE']._serialized_end=1284
+  _globals['_ABORTREQUEST']._serialized_start=1286
+  _globals['_ABORTREQUEST']._serialized_end=1336
+  _globals['_ABORTREPLY']._serialized_start=1338
+  _globals['_ABORTREPLY']._serialized_end=1365
+  _globals['_STATSREQUEST']._serialized_start=1367
+  _globals['_STATSREQUEST']._serialized_end=1400
+  _globals['_STATSREPLY']._serialized_start=1403
+  _globals['_STATSREPLY']._serialized_end=1531
+  _globals['_KVTRANSFER']._serialized_start=1534
+  _globals['_KVTRANSFER']._serialized_end=1909
 # @@protoc_insertion_point(module_scope)

@@ -21,7 +21,7 @@ class ModelFingerprint(_message.Message):
     def __init__(self, architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("request_id", "fingerprint", "sender_block_size", "num_tokens", "first_token", "num_chunks", "attempt", "num_streams")
+    __slots__ = ("request_id", "fingerprint", "sender_block_size", "num_tokens", "first_token", "num_chunks", "attempt", "num_streams", "reserve_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SENDER_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class HandshakeRequest(_message.Message):
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     NUM_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     fingerprint: ModelFingerprint
     sender_block_size: int
@@ -38,7 +39,8 @@ class HandshakeRequest(_message.Message):
     num_chunks: int
     attempt: int
     num_streams: int
-    def __init__(self, request_id: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., sender_block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., num_chunks: _Optional[int] = ..., attempt: _Optional[int] = ..., num_streams: _Optional[int] = ...) -> None: ...
+    reserve_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., sender_block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., num_chunks: _Optional[int] = ..., attempt: _Optional[int] = ..., num_streams: _Optional[int] = ..., reserve_tokens: _Optional[int] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
     __slots__ = ("status", "receiver_block_size", "num_blocks", "detail", "free_blocks")
@@ -69,7 +71,7 @@ class HandshakeReply(_message.Message):
     def __init__(self, status: _Optional[_Union[HandshakeReply.Status, str]] = ..., receiver_block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., detail: _Optional[str] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class ChunkHeader(_message.Message):
-    __slots__ = ("request_id", "seq", "layer", "kv", "first_block", "num_blocks", "crc32", "nbytes", "shm_offset", "shm_name", "release_slot")
+    __slots__ = ("request_id", "seq", "layer", "kv", "first_block", "num_blocks", "crc32", "nbytes", "shm_offset", "shm_name", "release_slot", "commit")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +83,7 @@ class ChunkHeader(_message.Message):
     SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     RELEASE_SLOT_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq: int
     layer: int
@@ -92,7 +95,8 @@ class ChunkHeader(_message.Message):
     shm_offset: int
     shm_name: str
     release_slot: bool
-    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., layer: _Optional[int] = ..., kv: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., crc32: _Optional[int] = ..., nbytes: _Optional[int] = ..., shm_offset: _Optional[int] = ..., shm_name: _Optional[str] = ..., release_slot: _Optional[bool] = ...) -> None: ...
+    commit: bytes
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., layer: _Optional[int] = ..., kv: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., crc32: _Optional[int] = ..., nbytes: _Optional[int] = ..., shm_offset: _Optional[int] = ..., shm_name: _Optional[str] = ..., release_slot: _Optional[bool] = ..., commit: _Optional[bytes] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "payload")

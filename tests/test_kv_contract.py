@@ -176,6 +176,51 @@ def test_layer_by_layer_streaming_overlaps_writes(pair: Pair) -> None:
     pair.assert_no_leaks()
 
 
+def test_one_transaction_the_handshake_reserves_and_the_commit_comes_with_the_kv(pair: Pair) -> None:
+    # The handshake carries the room the request may grow to on the receiver; the commit, sent last, what the
+    # receiver runs the request on. Both come out with the KV, and nothing is handed over before the commit.
+    ids = pair.blocks(21)
+    want = _expected(pair, ids, 21)
+    pair.sender.begin_send(pair.peer, "txn", ids, 21, first_token=-1, reserve_tokens=85)
+    for layer in range(SPEC.num_layers):
+        pair.sender.send_layer("txn", layer)
+    assert pair.endpoint.receive(0.3) is None  # every layer is there, the commit is not: nothing handed over
+    commit = bytes(range(256)) * 3  # any bytes, zeros included
+    pair.sender.finish("txn", commit)
+    got = pair.endpoint.receive(10)
+    assert got["request_id"] == "txn" and got["commit"] == commit and got["reserve_tokens"] == 85
+    assert torch.equal(got["data"], want)
+    pair.assert_no_leaks()
+
+
+def test_a_retried_transfer_carries_its_commit_again(pair: Pair) -> None:
+    ids = pair.blocks(30)
+    pair.sender.faults = FaultInjector(corrupt_attempts=1, corrupt_seq=2)
+    m = pair.sender.send(
+        pair.peer, "txn-retry", ids, 30, first_token=2, commit=b"prefilled", reserve_tokens=40
+    )
+    assert m.attempts == 2
+    got = pair.endpoint.receive(10)
+    assert got["commit"] == b"prefilled" and got["reserve_tokens"] == 40
+    pair.assert_no_leaks()
+
+
+def test_a_reservation_the_receiver_has_no_room_for_is_full_and_holds_nothing(pair: Pair) -> None:
+    pair.endpoint.admit_up_to(64)
+    try:
+        ids = pair.blocks(20)  # the KV itself fits; the room to finish it does not
+        with pytest.raises(KVTransferError) as e:
+            pair.sender.send(pair.peer, "no-room", ids, 20, first_token=1, commit=b"x", reserve_tokens=65)
+        assert e.value.receiver_full and "no room" in e.value.detail
+        pair.assert_no_leaks()
+        ids = pair.blocks(20)
+        pair.sender.send(pair.peer, "room", ids, 20, first_token=1, commit=b"x", reserve_tokens=64)
+        assert pair.endpoint.receive(10)["request_id"] == "room"
+    finally:
+        pair.endpoint.admit_up_to(None)
+    pair.assert_no_leaks()
+
+
 def test_receiver_full_is_reported_and_nothing_leaks(pair: Pair) -> None:
     n = (RECEIVER_BLOCKS + 1) * SPEC.block_size
     ids = pair.alloc.allocate(SPEC.blocks_for_tokens(n)) if n <= SENDER_BLOCKS * SPEC.block_size else None

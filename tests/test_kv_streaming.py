@@ -168,7 +168,7 @@ def test_handshakes_run_during_the_forward_pass_and_a_refusal_is_named_after_it(
     full.block_ids = engine.allocator.allocate(engine.kv_spec.blocks_for_tokens(n_full))
     streamer = LayerStreamer(sender)
     streamer.begin_all(
-        [(endpoint.address, r.request_id, list(r.block_ids), r.num_tokens) for r in (full, ok)]
+        [(endpoint.address, r.request_id, list(r.block_ids), r.num_tokens, 0) for r in (full, ok)]
     )
     with pytest.raises(RuntimeError, match="once per batch"):
         streamer.begin_all([])
@@ -189,7 +189,7 @@ def test_handshakes_run_during_the_forward_pass_and_a_refusal_is_named_after_it(
 def test_an_abort_during_the_handshakes_waits_for_them_and_frees_everything(engine, endpoint, sender) -> None:
     reqs = [_request(engine, f"early-abort-{i}", 30, seed=10 + i) for i in range(3)]
     streamer = LayerStreamer(sender)
-    streamer.begin_all([(endpoint.address, r.request_id, list(r.block_ids), r.num_tokens) for r in reqs])
+    streamer.begin_all([(endpoint.address, r.request_id, list(r.block_ids), r.num_tokens, 0) for r in reqs])
     streamer.on_layer_written(0)
     results = streamer.abort("prefill failed")  # may run before the thread has handshaked any of them
     assert sorted(results) == sorted(r.request_id for r in reqs)

@@ -1,12 +1,14 @@
 """The decode worker: receives prefilled requests' KV and runs continuous batching over decode buckets.
 
 A plain class; the cluster launcher turns it into a threaded Ray actor (``ray.remote(...)`` with
-``max_concurrency``) so ``drain`` long-polls, ``expect`` and ``abort`` are served while the loop thread steps.
+``max_concurrency``) so ``drain`` long-polls and ``abort`` are served while the loop thread steps.
 
-Only the loop thread touches the engine; other threads hand it aborts through a queue. A request arrives in
-two parts: the prefill worker first announces it with :meth:`expect` (metadata, first token, blocks it will
-need) and then sends the KV through the transport; the loop joins them and ``admit_prefilled`` s the request
-into the running batch at the next step.
+Only the loop thread touches the engine; other threads hand it aborts through a queue. A request arrives in one
+transaction, the KV transfer: its handshake asks for the room the request may grow to here (admitted or refused
+as full at that moment, against everything already promised), its commit carries the prefilled request (first
+token, sampling, the gateway that drains it). The loop takes the completed transfer and ``admit_prefilled`` s the
+request into the running batch at the next step. Nothing arrives in two parts, so nothing waits here for its
+other half.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ import time
 import ray
 
 from engine.request import FinishReason, RequestOutput, RequestRejected
-from kv_transfer import ReceivedKV
+from kv_transfer import Handshake, ReceivedKV
 from monitor import stages
 from worker.actor import EngineWorker
 from worker.config import WorkerConfig
 from worker.info import DecodePeer, WorkerInfo
-from worker.messages import PrefilledMessage, RequestMessage
+from worker.messages import MessageRef, PrefilledMessage, RequestMessage
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +38,13 @@ class DecodeWorker(EngineWorker):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
         self.transport = self._open_kv_transport()
-        self.address = self.transport.serve()
-        self._lock = threading.Lock()  # guards the dicts below (not the engine: only the loop uses it)
-        self._expected: dict[str, PrefilledMessage] = {}
-        self._reserved: dict[str, int] = {}  # request id -> blocks it may grow to (prompt + max_tokens)
+        # The KV receiver's lock guards the dicts below too (not the engine: only the loop uses it): a handshake
+        # is admitted against them and the receiver's own transfers at one moment.
+        self._lock = self.transport.lock
+        # Request id -> blocks it may grow to (prompt + max_tokens), from when the loop takes it (its transfer's
+        # reservation until then is the receiver's, ``KVReceiver.arriving``) until it ends.
+        self._reserved: dict[str, int] = {}
         self._consumer: dict[str, str] = {}  # request id -> consumer that drains its outputs
-        self._orphans: dict[str, tuple[ReceivedKV, float]] = {}  # KV that came before its announcement
         self._tombstones: dict[str, float] = {}
         self._aborts: queue.SimpleQueue[tuple[str, threading.Event]] = queue.SimpleQueue()
         # Request id -> when the loop took its KV into the engine, until its first output here carries it (loop only).
@@ -52,6 +55,9 @@ class DecodeWorker(EngineWorker):
         # controller sent it) (loop only).
         self._lent: dict[int, set[str]] = {}
         self._lent_batch: dict[str, tuple[int, float]] = {}
+        # Admission in place before the port opens: no handshake is taken unjudged.
+        self.transport.receiver.admission = self._admit_transfer
+        self.address = self.transport.serve()
         self._start(self._loop)
 
     # ------------------------------------------------------------------ remote API
@@ -62,27 +68,13 @@ class DecodeWorker(EngineWorker):
         """This worker as prefill workers reach it (its address changes when Ray restarts it)."""
         return DecodePeer(ray.get_runtime_context().current_actor, self.address)
 
-    def expect(self, msg: PrefilledMessage, need_blocks: int) -> bool:
-        """Announce a prefilled request whose KV follows. False (full): send it elsewhere."""
-        rid = msg.request.request_id
-        with self._lock:
-            if rid in self._tombstones:
-                return False
-            held = self._held_blocks()
-            # What this request holds already (its streamed KV) is part of what it needs, not extra.
-            if need_blocks - held.get(rid, 0) > self._available_blocks(held):
-                return False
-            self._expected[rid] = msg
-            self._reserved[rid] = need_blocks
-            self._consumer[rid] = msg.request.consumer_id
-        return True
-
     def run_prompts(
-        self, batch_id: int, msgs: list[RequestMessage], dispatched_at: float | None = None
+        self, batch_id: int, payloads: list[RequestMessage | MessageRef], dispatched_at: float | None = None
     ) -> None:
         """A batch of prompts the controller lends this worker while it has slack (``bucket_manager/lending.py``):
         prefilled in its own engine steps (no KV transfer: the blocks are its own), then decoded here. The
         controller hears ``batch_done`` once every prompt of it has its first token (or has ended)."""
+        msgs = [m for m in self._fetch_messages(payloads) if m is not None]
         max_len = self.engine.config.scheduler.max_model_len
         kept = []
         with self._lock:
@@ -95,19 +87,9 @@ class DecodeWorker(EngineWorker):
                 kept.append(m)
         self._lent_in.put((batch_id, kept, time.time() if dispatched_at is None else dispatched_at))
 
-    def forget(self, request_id: str) -> None:
-        """Drop an announcement whose KV will not come (the transfer failed; the request is recomputed), or KV
-        that came without one (a streamed transfer whose request was placed elsewhere): frees its blocks."""
-        with self._lock:
-            self._expected.pop(request_id, None)
-            self._reserved.pop(request_id, None)
-            self._consumer.pop(request_id, None)
-            orphan = self._orphans.pop(request_id, None)
-        if orphan is not None:
-            self.engine.allocator.free(orphan[0].block_ids)
-
     def abort(self, request_id: str, wait_s: float = 2.0) -> bool:
-        """Drop the request wherever it is here (in flight, announced, running); waits until its blocks are free."""
+        """Drop the request wherever it is here (arriving, running); waits until its blocks are free. Final: a
+        handshake for it that comes later is refused."""
         with self._lock:
             self._tombstones[request_id] = time.monotonic()
         self.transport.abort(request_id, "aborted by client", final=True)
@@ -116,13 +98,22 @@ class DecodeWorker(EngineWorker):
         return done.wait(wait_s)
 
     def held_requests(self) -> dict[str, int]:
-        """Requests announced or running here (request id -> blocks each may grow to), without aborted ones: what
+        """Requests arriving or running here (request id -> blocks each may grow to), without aborted ones: what
         a restarted controller rebuilds this worker's reservations from."""
         with self._lock:
-            return {rid: n for rid, n in self._reserved.items() if rid not in self._tombstones}
+            arriving = {
+                rid: max(blocks, self._blocks_for(tokens))
+                for rid, (blocks, tokens) in self.transport.receiver.arriving().items()
+            }
+            held = {**arriving, **self._reserved}
+            return {rid: n for rid, n in held.items() if rid not in self._tombstones}
 
     def stats(self) -> dict:
-        return {**super().stats(), "expected": len(self._expected), "transport": self.transport.stats()}
+        return {
+            **super().stats(),
+            "arriving": len(self.transport.receiver.arriving()),
+            "transport": self.transport.stats(),
+        }
 
     def shutdown(self) -> None:
         self._close()
@@ -130,21 +121,25 @@ class DecodeWorker(EngineWorker):
         self.transport.close()
 
     # ------------------------------------------------------------------ loop
-    def _held_blocks(self) -> dict[str, int]:
-        """Blocks each request already holds here: running, received ahead of its announcement, or arriving
-        (a streamed transfer starts before the prefill ends, so its blocks are taken before ``expect``)."""
-        held = self.transport.receiver.blocks_by_request()
-        for rid, (kv, _) in self._orphans.items():
-            held[rid] = held.get(rid, 0) + len(kv.block_ids)
-        for r in list(self.engine.running):
-            held[r.request_id] = held.get(r.request_id, 0) + len(r.block_ids)
-        return held
+    def _blocks_for(self, tokens: int) -> int:
+        """Blocks a request of ``tokens`` (prompt + max_tokens) may grow to here."""
+        return -(-min(tokens, self.engine.config.scheduler.max_model_len) // self.engine.block_size)
 
-    def _available_blocks(self, held: dict[str, int] | None = None) -> int:
-        """Free blocks not yet promised to announced or running requests (caller holds the lock)."""
-        held = self._held_blocks() if held is None else held
-        promised = sum(max(0, need - held.get(rid, 0)) for rid, need in self._reserved.items())
+    def _available_blocks(self) -> int:
+        """Free blocks not yet promised to arriving or running requests (caller holds the lock): each may still
+        grow to its reservation from what it holds."""
+        running = {r.request_id: len(r.block_ids) for r in list(self.engine.running)}
+        promised = sum(max(0, need - running.get(rid, 0)) for rid, need in self._reserved.items())
+        for rid, (blocks, tokens) in self.transport.receiver.arriving().items():
+            if rid not in self._reserved:
+                promised += max(0, self._blocks_for(tokens) - blocks)
         return self.engine.allocator.num_free - promised
+
+    def _admit_transfer(self, hs: Handshake, kv_blocks: int) -> bool:
+        """The KV receiver's question at a handshake (under the lock, before it allocates ``kv_blocks``): is
+        there room for the request to grow to its reservation? No: the sender hears FULL, and the controller
+        places the request elsewhere or later."""
+        return max(kv_blocks, self._blocks_for(hs.reserve_tokens)) <= self._available_blocks()
 
     def _loop(self) -> None:
         idle_checked = False
@@ -165,8 +160,7 @@ class DecodeWorker(EngineWorker):
                 time.sleep(0.05)
 
     def _idle(self) -> bool:
-        with self._lock:
-            return not self._expected and not self._orphans and self.transport.receiver.is_idle()
+        return self.transport.receiver.is_idle()
 
     def _step(self) -> None:
         outs = self._timed_step()
@@ -276,22 +270,28 @@ class DecodeWorker(EngineWorker):
         while kv is not None:
             self._join(kv)
             kv = self.transport.receive(0.0)
-        with self._lock:
-            ready = [rid for rid in self._orphans if rid in self._expected]
-        for rid in ready:
-            kv, _ = self._orphans.pop(rid)
-            self._join(kv)
 
     def _join(self, kv: ReceivedKV) -> None:
+        """A completed transfer: its commit is the prefilled request, its reservation moves to this worker's
+        ledger, and the request joins the running batch."""
         rid = kv.request_id
+        try:
+            msg = PrefilledMessage.decode(kv.commit)
+            if msg.request.request_id != rid:
+                raise ValueError(f"the commit is {msg.request.request_id!r}'s")
+        except ValueError as e:
+            # Only a sender that is not a prefill worker of this cluster commits so; nobody to tell but the log.
+            logger.error(
+                "KV of %s came with no prefilled request in its commit (%s); its blocks are freed", rid, e
+            )
+            self.engine.allocator.free(kv.block_ids)
+            return
         with self._lock:
             if rid in self._tombstones:
                 self.engine.allocator.free(kv.block_ids)
                 return
-            msg = self._expected.pop(rid, None)
-            if msg is None:
-                self._orphans[rid] = (kv, time.monotonic())
-                return
+            self._reserved[rid] = max(len(kv.block_ids), self._blocks_for(kv.reserve_tokens))
+            self._consumer[rid] = msg.request.consumer_id
         req = msg.to_request(kv.block_ids, kv.num_tokens)
         self.engine.admit_prefilled(req)
         self._joined_at[rid] = time.time()
@@ -307,12 +307,8 @@ class DecodeWorker(EngineWorker):
             self._lent_started(rid)
             self.transport.abort(rid, "aborted by client", final=True)
             with self._lock:
-                self._expected.pop(rid, None)
                 self._reserved.pop(rid, None)
                 self._consumer.pop(rid, None)
-                orphan = self._orphans.pop(rid, None)
-            if orphan is not None:
-                self.engine.allocator.free(orphan[0].block_ids)
             done.set()
 
     def _expire(self) -> None:
@@ -321,18 +317,10 @@ class DecodeWorker(EngineWorker):
             ttl = self.config.tombstone_ttl_s
             for rid in [r for r, t in self._tombstones.items() if now - t > ttl]:
                 del self._tombstones[rid]
-            # KV whose announcement never came (its sender died between the two): free it.
-            stale = [
-                r for r, (_, t) in self._orphans.items() if now - t > self.config.transfer.receive_timeout_s
-            ]
-            freed = [self._orphans.pop(r)[0] for r in stale]
-        for kv in freed:
-            self.engine.allocator.free(kv.block_ids)
 
     def _check_integrity(self) -> None:
         if not super()._check_integrity() and not self._idle():
             self._integrity_error = None  # a transfer started meanwhile and holds blocks: not a leak
 
     def _queue_len(self) -> int:
-        with self._lock:
-            return len(self._expected)
+        return len(self.transport.receiver.arriving())

@@ -42,7 +42,7 @@ from monitor import stages
 from monitor.records import RequestRecord
 from worker.actor import EngineWorker
 from worker.info import WorkerInfo
-from worker.messages import RequestMessage
+from worker.messages import MessageRef, RequestMessage
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class _Stream:
         self.worker: ActorHandle[EngineWorker] | None = None  # colocated mode: the worker that runs it
         self.worker_name: str | None = None
         self.message: RequestMessage | None = None  # disaggregated mode: what was submitted to the controller
+        self.payload: MessageRef | None = None  # ... and where its message waits for the worker that runs it
 
     def push(self, out: RequestOutput) -> None:
         n = len(out.new_token_ids)
@@ -220,7 +221,9 @@ class RayClusterBackend(ServingBackend):
             await handle.submit.remote(msg)
             return
         stream.message = msg  # sent again should the controller restart before it dispatched the request
-        await self.handles.controller.submit.remote(msg.summary(), msg)
+        # The controller gets the summary and a reference: the prompt goes to the worker that runs it only.
+        stream.payload = MessageRef.put(msg)
+        await self.handles.controller.submit.remote(msg.summary(), stream.payload)
 
     async def _release(self, rid: str) -> None:
         if self.handles.controller is not None:
@@ -394,9 +397,9 @@ class RayClusterBackend(ServingBackend):
                 )
                 self._incarnation = now
                 waiting = [
-                    (s.message.summary(), s.message)
+                    (s.message.summary(), s.payload)
                     for s in list(self._streams.values())
-                    if s.message is not None and s.delivered == 0
+                    if s.message is not None and s.payload is not None and s.delivered == 0
                 ]
                 if waiting:
                     try:

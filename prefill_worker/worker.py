@@ -1,5 +1,6 @@
 """The prefill worker: FCFS queue of bucketed prompt batches; computes KV and the first token, then hands each
-request's blocks to its decode worker through the KV transport.
+request's blocks to its decode worker through the KV transport, in one transaction: the transfer's handshake asks
+the decode worker for the room the request may grow to, its commit carries the prefilled request.
 
 A plain class; the cluster launcher makes it a threaded Ray actor. The loop thread runs batches one after the
 other (FCFS: the controller already ordered them); sender threads move KV while the next batch runs. The first
@@ -19,20 +20,26 @@ import ray
 
 from bucket_manager.request import RequestSummary
 from engine.request import FinishReason, Request, RequestOutput
-from kv_transfer import KVTransferError
+from kv_transfer import KVTransferError, TransferStatus
 from kv_transfer.streaming import LayerStreamer
 from monitor import stages
 from monitor.records import BatchRecord
 from worker.actor import EngineWorker
 from worker.config import WorkerConfig
 from worker.info import DecodePeer
-from worker.messages import PrefilledMessage, RequestMessage
+from worker.messages import MessageRef, PrefilledMessage, RequestMessage
 
 logger = logging.getLogger(__name__)
 
 # How long a batch may wait for blocks still leased to transfers before it is given back for re-planning.
 BLOCK_WAIT_S = 30.0
-EXPECT_TIMEOUT_S = 30.0
+# How long a decode worker whose KV port failed may take to answer on Ray before it is reported down.
+PEER_CHECK_S = 5.0
+
+
+def _reserve(msg: RequestMessage) -> int:
+    """Tokens the request may grow to on its decode worker: what that worker admits at the handshake."""
+    return msg.num_prompt_tokens + msg.sampling.max_tokens
 
 
 class PrefillWorker(EngineWorker):
@@ -70,10 +77,16 @@ class PrefillWorker(EngineWorker):
             self.transport.prepare(address)
 
     def enqueue(
-        self, batch_id: int, items: list[tuple[RequestMessage, str]], dispatched_at: float | None = None
+        self,
+        batch_id: int,
+        items: list[tuple[RequestMessage | MessageRef, str]],
+        dispatched_at: float | None = None,
     ) -> None:
         """A batch planned by the controller: (request, decode worker id) pairs, run after those queued;
-        ``dispatched_at``: when the controller sent it (Unix seconds), stamped on the first tokens."""
+        ``dispatched_at``: when the controller sent it (Unix seconds), stamped on the first tokens. Each request's
+        message is fetched here from its gateway's object store (the controller passes references)."""
+        msgs = self._fetch_messages([p for p, _ in items])
+        items = [(m, d) for m, (_, d) in zip(msgs, items, strict=True) if m is not None]
         with self._cond:
             self._queue.append((batch_id, list(items), dispatched_at))
             self._held[batch_id] = list(items)
@@ -161,11 +174,10 @@ class PrefillWorker(EngineWorker):
         except BaseException:
             # Every transfer opened (or refused) is ended, and the transport frees those requests' blocks.
             opened = set(streamer.abort("prefill failed")) if streamer is not None else set()
-            for (_, decode_id), r in zip(items, reqs, strict=True):
+            for r in reqs:
                 req = self.engine.detach(r.request_id)
                 if r.request_id in opened:
-                    self._forget_on(decode_id, r.request_id)
-                    req.block_ids = []
+                    req.block_ids = []  # the transport freed them, on this side and the decode worker's
                 else:
                     self._drop(req)
             raise
@@ -186,8 +198,7 @@ class PrefillWorker(EngineWorker):
             req = self.engine.detach(r.request_id)
             if req.finished:  # done at its first token (EOS, max_tokens=1): nothing to decode
                 if streamer is not None and streamer.cancel(req.request_id, "finished at its first token"):
-                    self._forget_on(decode_id, req.request_id)  # KV that already landed there
-                    req.block_ids = []
+                    req.block_ids = []  # never committed: the decode worker frees what landed there
                 else:
                     self._drop(req)
             else:
@@ -199,7 +210,8 @@ class PrefillWorker(EngineWorker):
             self.engine.detach(r.request_id).block_ids = []  # freed by the transport
             # Named: the gateway shows it, and it may be the first news of that worker's death to reach the client.
             full = decode_id if err.receiver_full else None
-            self._give_back(msg, f"KV transfer to {decode_id} refused: {err}", full_on=full)
+            down = decode_id if self._unreachable(decode_id, err) else None
+            self._give_back(msg, f"KV transfer to {decode_id} refused: {err}", full_on=full, down=down)
         self.heartbeat.push()
         return sends
 
@@ -211,16 +223,11 @@ class PrefillWorker(EngineWorker):
         not known here opens no transfer: it goes the unstreamed way and fails there by name."""
         self.engine.allocate_prompts(reqs)
         opens = []
-        for (_, decode_id), r in zip(items, reqs, strict=True):
+        for (msg, decode_id), r in zip(items, reqs, strict=True):
             peer = self._peers.get(decode_id)
             if peer is not None:
-                opens.append((peer.kv_address, r.request_id, list(r.block_ids), r.num_tokens))
+                opens.append((peer.kv_address, r.request_id, list(r.block_ids), r.num_tokens, _reserve(msg)))
         streamer.begin_all(opens)
-
-    def _forget_on(self, decode_id: str, rid: str) -> None:
-        peer = self._peers.get(decode_id)
-        if peer is not None:
-            peer.handle.forget.remote(rid)
 
     def _drop(self, req: Request) -> None:
         if req.block_ids:
@@ -249,14 +256,14 @@ class PrefillWorker(EngineWorker):
                 except Exception as e:
                     logger.exception("KV hand-off of %s failed", msg.request_id)
                     if streamer is not None and streamer.cancel(msg.request_id, "hand-off failed"):
-                        self._forget_on(decode_id, msg.request_id)
                         req.block_ids = []
                     else:
                         self._drop(req)
                     self._give_back(msg, f"KV hand-off to {decode_id} failed: {e}")
         finally:
             if streamer is not None:
-                streamer.finish()  # ends whatever is left (e.g. requests aborted meanwhile)
+                # Whatever is left was not handed off (aborted meanwhile, say): aborted, never committed.
+                streamer.abort("not handed off")
             with self._cond:
                 self._in_progress -= 1
                 self._held.pop(batch_id, None)
@@ -268,56 +275,41 @@ class PrefillWorker(EngineWorker):
     def _send(
         self, msg: RequestMessage, req: Request, decode_id: str, streamer: LayerStreamer | None = None
     ) -> None:
+        """Hand one prefilled request to its decode worker: the rest of its KV and the commit (the prefilled
+        request) on its transfer, which the decode worker admitted at the handshake (streamed: before the
+        forward pass) or admits now. A refusal or failure gives the request back to the controller."""
         rid = msg.request_id
         streamed = streamer is not None and streamer.owns(rid)
         peer = self._peers.get(decode_id)
-        if peer is None:
+        if peer is None or self._aborted(rid):
+            reason = "aborted" if peer is not None else f"unknown decode worker {decode_id}"
             if streamed:
-                streamer.cancel(rid, f"unknown decode worker {decode_id}")
+                streamer.cancel(rid, reason)
                 req.block_ids = []
             self._drop(req)
-            self._give_back(msg, f"unknown decode worker {decode_id}")
+            if peer is None and not self._aborted(rid):
+                self._give_back(msg, reason)
             return
-        handle, address = peer
-        sp = msg.sampling
-        max_len = self.engine.config.scheduler.max_model_len
-        need = -(-min(msg.num_prompt_tokens + sp.max_tokens, max_len) // self.engine.block_size)
-        announce = PrefilledMessage(
-            msg, req.output_token_ids[0], req.output_logprobs[0] if req.output_logprobs else None
-        )
-        unreachable = False
-        try:
-            accepted = ray.get(handle.expect.remote(announce, need), timeout=EXPECT_TIMEOUT_S)
-            reason = f"decode worker {decode_id} full"
-        except Exception as e:  # the decode worker died or hangs: place the request elsewhere
-            accepted, unreachable = False, True
-            reason = f"decode worker {decode_id} unreachable: {type(e).__name__}"
-        if self._aborted(rid) or not accepted:
-            if streamed:
-                # Abort the transfer first (both sides free what they hold), then drop what already landed.
-                streamer.cancel(rid, "aborted" if self._aborted(rid) else reason)
-                req.block_ids = []
-            self._drop(req)
-            if streamed or accepted:
-                handle.forget.remote(rid)
-            if not self._aborted(rid):
-                if unreachable:
-                    self._give_back(msg, reason, down=decode_id)
-                else:
-                    self._give_back(msg, reason, full_on=decode_id)
-            return
+        first_logprob = req.output_logprobs[0] if req.output_logprobs else None
+        commit = PrefilledMessage(msg, req.output_token_ids[0], first_logprob).encode()
         try:
             # The transport owns the blocks from here (from the handshake, when streamed) and frees them on
-            # acknowledgement or failure.
+            # acknowledgement or failure, on both sides.
             if streamed:
-                result = streamer.finish([rid])[rid]
+                result = streamer.finish([rid], {rid: commit})[rid]
                 if isinstance(result, KVTransferError):
                     raise result
                 with self._cond:
                     self._streamed += 1
             else:
                 result = self.transport.send(
-                    address, rid, req.block_ids, req.num_computed_tokens, req.output_token_ids[0]
+                    peer.kv_address,
+                    rid,
+                    req.block_ids,
+                    req.num_computed_tokens,
+                    req.output_token_ids[0],
+                    commit=commit,
+                    reserve_tokens=_reserve(msg),
                 )
             if self._monitor is not None:
                 self._monitor.record_transfer.remote(
@@ -327,11 +319,27 @@ class PrefillWorker(EngineWorker):
                     self.config.transfer.route_name(result.backend),
                 )
         except KVTransferError as e:
-            handle.forget.remote(rid)
             if not self._aborted(rid):
+                # Full: back-pressure (the controller holds that worker a moment); unreachable: marked down.
                 full = decode_id if e.receiver_full else None
-                self._give_back(msg, f"KV transfer to {decode_id} failed: {e}", full_on=full)
+                down = decode_id if self._unreachable(decode_id, e) else None
+                self._give_back(msg, f"KV transfer to {decode_id} failed: {e}", full_on=full, down=down)
         req.block_ids = []
+
+    def _unreachable(self, decode_id: str, error: KVTransferError) -> bool:
+        """Whether a transfer failed because its decode worker is gone: its KV port did not answer, and neither
+        does the actor (Ray knows a dead one at once). Only then is it marked down for the controller: a worker
+        marked down gets no work until Ray restarts it, so a refusal or a broken stream alone does not."""
+        if error.status not in (TransferStatus.UNAVAILABLE, TransferStatus.TIMEOUT):
+            return False
+        peer = self._peers.get(decode_id)
+        if peer is None:
+            return False
+        try:
+            ray.get(peer.handle.info.remote(), timeout=PEER_CHECK_S)
+        except Exception:  # dead, or not answering either
+            return True
+        return False
 
     def _aborted(self, rid: str) -> bool:
         with self._cond:

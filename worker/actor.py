@@ -18,12 +18,16 @@ from monitor.records import WorkerStats
 from worker.config import WorkerConfig
 from worker.heartbeat import Heartbeat, engine_worker_stats
 from worker.info import WorkerInfo
+from worker.messages import MessageRef, RequestMessage, resolve_messages
 from worker.outbox import OutputBuffers
 
 if TYPE_CHECKING:
     from kv_transfer import KVTransport
 
 logger = logging.getLogger(__name__)
+
+# How long a worker waits for the messages of a batch from its gateways' object stores.
+MESSAGE_FETCH_S = 10.0
 
 # The engine, torch and the transports are imported where a worker starts, not with this module: every process
 # that holds a worker's actor handle (the controller, each gateway replica) imports the actor's class module
@@ -84,6 +88,22 @@ class EngineWorker:
         if self._controller is None and self.config.controller_name is not None:
             self._controller = lookup_actor(self.config.controller_name, self.config.namespace)
         return self._controller
+
+    def _fetch_messages(self, payloads: list[RequestMessage | MessageRef]) -> list[RequestMessage | None]:
+        """The messages of a batch the controller handed this worker (``resolve_messages``). One that cannot be
+        had went away with its gateway: nobody is left to answer, so the controller is told to drop it (its
+        reservations go) and it is None here."""
+        msgs = resolve_messages(payloads, MESSAGE_FETCH_S)
+        lost = [p.request_id for p, m in zip(payloads, msgs, strict=True) if m is None]
+        if lost:
+            logger.warning(
+                "dropped %d request(s) whose gateway is gone with their messages: %s", len(lost), lost
+            )
+            controller = self._get_controller()
+            if controller is not None:
+                for rid in lost:
+                    controller.abort.remote(rid)
+        return msgs
 
     def _open_kv_transport(self) -> KVTransport:
         """The KV transport of a disaggregated role, over this worker's cache and allocator."""

@@ -3,12 +3,22 @@
 A :class:`RequestMessage` is frozen and made of plain values, so it pickles cheaply through Ray; each
 worker turns it into an engine :class:`~engine.request.Request` at its edge with :meth:`to_request`.
 Times are Unix seconds (``time.time()``): monotonic clocks do not agree across processes.
+
+The prompt crosses a process boundary twice: from the gateway to the worker that runs it, through Ray's object
+store (the gateway leaves the message there and the controller passes a :class:`MessageRef` along, never the
+prompt), then from the prefill worker to the decode worker as the commit of the KV transfer
+(:meth:`PrefilledMessage.encode`), not through Ray: plain JSON, so the decode worker's KV port never unpickles
+what reaches it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from bucket_manager.request import RequestSummary
 from engine.request import PriorityClass, Request, SamplingParams
@@ -89,12 +99,72 @@ class RequestMessage:
 
 
 @dataclass(frozen=True)
+class MessageRef:
+    """A request's :class:`RequestMessage` left in Ray's object store by the gateway that admitted it (its owner:
+    the object goes when the gateway does). The controller plans with the request's summary and hands this on;
+    only the worker that runs the prompt fetches the message (:func:`resolve_messages`)."""
+
+    request_id: str
+    ref: Any  # ray.ObjectRef of the RequestMessage
+
+    @classmethod
+    def put(cls, msg: RequestMessage) -> MessageRef:
+        import ray
+
+        return cls(msg.request_id, ray.put(msg))
+
+
+def resolve_messages(
+    payloads: Sequence[RequestMessage | MessageRef], timeout: float
+) -> list[RequestMessage | None]:
+    """The messages behind what the controller handed on, fetched in one call: a :class:`MessageRef` becomes its
+    message (None when it cannot be had: its gateway went away with it); a message stays as it is (a batch
+    adopted by a restarted controller carries the messages themselves)."""
+    import ray
+
+    refs = [p.ref for p in payloads if isinstance(p, MessageRef)]
+    got: list[Any] = []
+    if refs:
+        try:
+            got = ray.get(refs, timeout=timeout)
+        except Exception:  # one is lost: fetch each, so only that one is missing
+            got = []
+            for ref in refs:
+                try:
+                    got.append(ray.get(ref, timeout=timeout))
+                except Exception:
+                    got.append(None)
+    fetched = iter(got)
+    return [next(fetched) if isinstance(p, MessageRef) else p for p in payloads]
+
+
+@dataclass(frozen=True)
 class PrefilledMessage:
     """What a decode worker needs besides the KV blocks: the request and its first sampled token."""
 
     request: RequestMessage
     first_token: int
     first_logprob: float | None = None
+
+    def encode(self) -> bytes:
+        """The transfer's commit: this message as JSON."""
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> PrefilledMessage:
+        """The message :meth:`encode` made; ValueError names what is missing or wrong."""
+        try:
+            d = json.loads(data)
+            r = dict(d["request"])
+            sp = dict(r.pop("sampling"))
+            for key in ("stop", "stop_token_ids"):
+                sp[key] = tuple(sp.get(key, ()))
+            request = RequestMessage(
+                **{**r, "prompt_token_ids": tuple(r["prompt_token_ids"]), "sampling": SamplingParams(**sp)}
+            )
+            return cls(request, int(d["first_token"]), d.get("first_logprob"))
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"not a prefilled request: {type(e).__name__}: {e}") from None
 
     def to_request(self, block_ids: list[int], num_computed_tokens: int) -> Request:
         req = self.request.to_request()

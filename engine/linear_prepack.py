@@ -98,11 +98,14 @@ def _dispatched_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-    )
+    """Whether oneDNN can take this model's linears here: on the CPU, fp32 anywhere, bf16 only where oneDNN has
+    a bf16 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU has none, and its bf16 linears stay
+    ``F.linear``)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 def panel_layout(w: torch.Tensor) -> torch.Tensor:

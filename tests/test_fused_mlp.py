@@ -8,10 +8,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import linear_prepack
 from engine.fused_mlp import fuse_gated_mlps
 from engine.kernels import build
 from engine.linear_prepack import SKINNY_MAX_M, panel_layout, prepack_linears
 from engine.model_loader import load_model
+
+
+@pytest.fixture(autouse=True)
+def _panels_on_any_host(monkeypatch):
+    # The product gives linears panels on AVX-512 hosts only, where the kernel was measured to beat oneDNN; its
+    # portable C++ (slow, exact) runs these tests on any other host too.
+    monkeypatch.setattr(
+        linear_prepack, "_wants_panels", lambda dtype: dtype in (torch.float32, torch.bfloat16)
+    )
 
 
 @pytest.fixture(scope="module")

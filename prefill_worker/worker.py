@@ -183,7 +183,6 @@ class PrefillWorker(EngineWorker):
             raise
         ms = (time.perf_counter() - t0) * 1e3
         self._latency_ms = ms if self._latency_ms is None else 0.8 * self._latency_ms + 0.2 * ms
-        self._record_batch(reqs)
         # The requests whose decode worker refused the handshake (full, unreachable) went through the forward pass
         # for nothing: their first token is not sent (a re-plan samples it again), their blocks are already freed.
         refused = streamer.begun() if streamer is not None else {}
@@ -193,6 +192,7 @@ class PrefillWorker(EngineWorker):
         if dispatched_at is not None:
             marks[stages.DISPATCHED] = dispatched_at
         self.outputs.put_many((m.consumer_id, o.marked(marks)) for (m, _), _, o in kept)
+        self._record_batch(reqs)  # after the first tokens are out: the monitor is not on their way
         sends = []
         for (msg, decode_id), r, _ in kept:
             req = self.engine.detach(r.request_id)

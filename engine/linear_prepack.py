@@ -34,9 +34,12 @@ logger = logging.getLogger(__name__)
 # The batch size oneDNN tunes the packed layout for; any M runs, this one covers decode batches to prefill
 # chunks well (measured: within 10% of the best hint from M = 1 to 512).
 PACK_HINT_M = 32
-# Up to this many rows a linear runs on the skinny kernel (when it is built), above it on oneDNN: measured
-# 1.03-1.26x oneDNN's speed at 64 rows over the small model's shapes, 0.97-1.17x at 96.
-SKINNY_MAX_M = 64
+# Up to this many rows a linear runs on the skinny kernel (when it is built), above it on oneDNN. AVX-512 (2-core
+# host): 1.03-1.26x oneDNN's speed at 64 rows over the small model's shapes, 0.97-1.17x at 96. AVX2 (2-core EPYC,
+# a 16-column panel in two 8-float registers, 3 rows a pass): 1.2-1.9x oneDNN from 1 to 8 rows over
+# [512 -> 1408], [1408 -> 512] and [512 -> 32000], 0.84-0.95x at 16, 0.5-0.7x from 32.
+_CPU = torch.backends.cpu.get_cpu_capability()
+SKINNY_MAX_M = 64 if _CPU == "AVX512" else 8
 SKINNY_PANEL = 16  # output columns per panel of the skinny kernel's weight layout
 
 
@@ -125,8 +128,9 @@ def _kernels():
 
 
 def _wants_panels(dtype: torch.dtype) -> bool:
-    """The skinny kernel where it was measured to help: fp32 or bf16 weights on an AVX-512 host."""
-    return dtype in (torch.float32, torch.bfloat16) and torch.backends.cpu.get_cpu_capability() == "AVX512"
+    """The skinny kernel where it was measured to help: fp32 or bf16 weights on an AVX-512 or AVX2 host (on
+    AVX2, bf16 linears are not prepacked at all where oneDNN has no bf16 path: ``can_prepack``)."""
+    return dtype in (torch.float32, torch.bfloat16) and _CPU in ("AVX512", "AVX2")
 
 
 def prepack_linears(model: torch.nn.Module) -> int:

@@ -17,8 +17,8 @@ from engine.model_loader import load_model
 
 @pytest.fixture(autouse=True)
 def _panels_on_any_host(monkeypatch):
-    # The product gives linears panels on AVX-512 hosts only, where the kernel was measured to beat oneDNN; its
-    # portable C++ (slow, exact) runs these tests on any other host too.
+    # The product gives linears panels on AVX-512 and AVX2 hosts only, where the kernel was measured to beat
+    # oneDNN; its portable C++ (slow, exact) runs these tests on any other host too.
     monkeypatch.setattr(
         linear_prepack, "_wants_panels", lambda dtype: dtype in (torch.float32, torch.bfloat16)
     )

@@ -14,8 +14,8 @@ from engine.linear_prepack import SKINNY_MAX_M, panel_layout, prepack_linears
 
 @pytest.fixture(autouse=True)
 def _panels_on_any_host(monkeypatch):
-    # The product gives linears panels on AVX-512 hosts only, where the kernel was measured to beat oneDNN; its
-    # portable C++ (slow, exact) runs these tests on any other host too.
+    # The product gives linears panels on AVX-512 and AVX2 hosts only, where the kernel was measured to beat
+    # oneDNN; its portable C++ (slow, exact) runs these tests on any other host too.
     monkeypatch.setattr(
         linear_prepack, "_wants_panels", lambda dtype: dtype in (torch.float32, torch.bfloat16)
     )

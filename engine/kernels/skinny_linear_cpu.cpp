@@ -34,7 +34,7 @@
 #include <string>
 #include <unordered_map>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -103,6 +103,83 @@ inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restr
       for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * ldy + p * kPanel, mask[p], acc[p][m]);
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2: a 16-column panel is two 8-float registers. With 16 registers, a pass keeps MR x NP x 2 accumulators
+// (kRowBlock below: 3 rows x 2 panels = 12), two weight halves per panel and one broadcast.
+template <typename WT>
+inline void load_w(const WT* p, __m256& lo, __m256& hi);
+template <>
+inline void load_w<float>(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+template <>
+inline void load_w<bf16_bits>(const bf16_bits* p, __m256& lo, __m256& hi) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16));
+  hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+
+// One panel row's 16 results to y: whole when the panel is full, else its first `c` columns.
+inline void store_cols(float* y, __m256 lo, __m256 hi, int64_t c) {
+  if (c >= kPanel) {
+    _mm256_storeu_ps(y, lo);
+    _mm256_storeu_ps(y + 8, hi);
+  } else if (c > 0) {
+    alignas(32) float buf[kPanel];
+    _mm256_store_ps(buf, lo);
+    _mm256_store_ps(buf + 8, hi);
+    std::memcpy(y, buf, sizeof(float) * c);
+  }
+}
+
+template <int MR, int NP, bool kGated, typename WT>
+inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restrict w, int64_t K,
+                       const float* bias, float* __restrict y, int64_t ldy, int64_t cols) {
+  constexpr int64_t ahead = kPrefetchLines * static_cast<int64_t>(sizeof(float) / sizeof(WT));
+  static_assert(!kGated || NP == 2, "a gated pass holds one gate and one up panel");
+  __m256 acc[NP][MR][2];
+  int64_t width[NP];
+  for (int p = 0; p < NP; ++p) {
+    width[p] = std::clamp<int64_t>(cols - p * kPanel, 0, kPanel);
+    alignas(32) float b[kPanel] = {};
+    if (bias) std::memcpy(b, bias + p * kPanel, sizeof(float) * width[p]);
+    for (int m = 0; m < MR; ++m) {
+      acc[p][m][0] = _mm256_load_ps(b);
+      acc[p][m][1] = _mm256_load_ps(b + 8);
+    }
+  }
+  const int64_t stride = K * kPanel;  // from one panel to the next
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 wlo[NP], whi[NP];
+    for (int p = 0; p < NP; ++p) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + p * stride + (k + ahead) * kPanel), _MM_HINT_T0);
+      load_w<WT>(w + p * stride + k * kPanel, wlo[p], whi[p]);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k);
+      for (int p = 0; p < NP; ++p) {
+        acc[p][m][0] = _mm256_fmadd_ps(xv, wlo[p], acc[p][m][0]);
+        acc[p][m][1] = _mm256_fmadd_ps(xv, whi[p], acc[p][m][1]);
+      }
+    }
+  }
+  if constexpr (kGated) {
+    using Vec = at::vec::Vectorized<float>;  // 8 floats in an AVX2 build
+    for (int m = 0; m < MR; ++m) {
+      __m256 h[2];
+      for (int half = 0; half < 2; ++half) {
+        const Vec g(acc[0][m][half]);
+        h[half] = static_cast<__m256>(g / (Vec(1.f) + g.neg().exp()) * Vec(acc[1][m][half]));
+      }
+      store_cols(y + m * ldy, h[0], h[1], width[0]);
+    }
+  } else {
+    for (int p = 0; p < NP; ++p)
+      for (int m = 0; m < MR; ++m) store_cols(y + m * ldy + p * kPanel, acc[p][m][0], acc[p][m][1], width[p]);
+  }
+}
 #else
 inline float widen(float v) { return v; }
 inline float widen(bf16_bits v) {
@@ -130,7 +207,11 @@ inline void panel_rows(const float* x, int64_t ldx, const WT* w, int64_t K, cons
 }
 #endif
 
+#if defined(__AVX512F__) || !(defined(__AVX2__) && defined(__FMA__))
 constexpr int kRowBlock = 12;  // rows per pass: 12 x 2 panels = 24 accumulators of AVX-512's 32 registers
+#else
+constexpr int kRowBlock = 3;  // rows per pass: 3 x 2 panels x 2 halves = 12 accumulators of AVX2's 16 registers
+#endif
 
 template <int NP, int MR, bool kGated, typename WT>
 inline void rows_tail(const float* x, int64_t K, const WT* w, const float* bias, float* y, int64_t N,

@@ -145,7 +145,8 @@ def profile_decode(engine, batch: int, context: int, steps: int) -> dict:
             kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total / 1e3 / steps  # ms a step
     by_kind: dict[str, float] = {}
     for name, ms in kernels.items():
-        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + ms
+        kind = kernel_kind(name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + ms
     busy = sum(kernels.values())
     wall = statistics.median(times) * 1e3
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]

@@ -75,14 +75,12 @@ class DecodeWorker(EngineWorker):
         prefilled in its own engine steps (no KV transfer: the blocks are its own), then decoded here. The
         controller hears ``batch_done`` once every prompt of it has its first token (or has ended)."""
         msgs = [m for m in self._fetch_messages(payloads) if m is not None]
-        max_len = self.engine.config.scheduler.max_model_len
         kept = []
         with self._lock:
             for m in msgs:
                 if m.request_id in self._tombstones:
                     continue
-                need = -(-min(m.num_prompt_tokens + m.sampling.max_tokens, max_len) // self.engine.block_size)
-                self._reserved[m.request_id] = need
+                self._reserved[m.request_id] = self._blocks_for(m.reserve_tokens)
                 self._consumer[m.request_id] = m.consumer_id
                 kept.append(m)
         self._lent_in.put((batch_id, kept, time.time() if dispatched_at is None else dispatched_at))
@@ -102,7 +100,7 @@ class DecodeWorker(EngineWorker):
         a restarted controller rebuilds this worker's reservations from."""
         with self._lock:
             arriving = {
-                rid: max(blocks, self._blocks_for(tokens))
+                rid: self._blocks_for(tokens, blocks)
                 for rid, (blocks, tokens) in self.transport.receiver.arriving().items()
             }
             held = {**arriving, **self._reserved}
@@ -121,9 +119,12 @@ class DecodeWorker(EngineWorker):
         self.transport.close()
 
     # ------------------------------------------------------------------ loop
-    def _blocks_for(self, tokens: int) -> int:
-        """Blocks a request of ``tokens`` (prompt + max_tokens) may grow to here."""
-        return -(-min(tokens, self.engine.config.scheduler.max_model_len) // self.engine.block_size)
+    def _blocks_for(self, tokens: int, held: int = 0) -> int:
+        """Blocks a request of ``tokens`` (prompt + max_tokens) may grow to here, and never fewer than the
+        ``held`` it has already."""
+        return max(
+            held, -(-min(tokens, self.engine.config.scheduler.max_model_len) // self.engine.block_size)
+        )
 
     def _available_blocks(self) -> int:
         """Free blocks not yet promised to arriving or running requests (caller holds the lock): each may still
@@ -139,7 +140,7 @@ class DecodeWorker(EngineWorker):
         """The KV receiver's question at a handshake (under the lock, before it allocates ``kv_blocks``): is
         there room for the request to grow to its reservation? No: the sender hears FULL, and the controller
         places the request elsewhere or later."""
-        return max(kv_blocks, self._blocks_for(hs.reserve_tokens)) <= self._available_blocks()
+        return self._blocks_for(hs.reserve_tokens, kv_blocks) <= self._available_blocks()
 
     def _loop(self) -> None:
         idle_checked = False
@@ -290,7 +291,7 @@ class DecodeWorker(EngineWorker):
             if rid in self._tombstones:
                 self.engine.allocator.free(kv.block_ids)
                 return
-            self._reserved[rid] = max(len(kv.block_ids), self._blocks_for(kv.reserve_tokens))
+            self._reserved[rid] = self._blocks_for(kv.reserve_tokens, len(kv.block_ids))
             self._consumer[rid] = msg.request.consumer_id
         req = msg.to_request(kv.block_ids, kv.num_tokens)
         self.engine.admit_prefilled(req)

@@ -388,10 +388,3 @@ class KVReceiver:
         with self.lock:
             items = [*self._inbound.items(), *((rid, inb) for rid, (inb, _) in self._done.items())]
             return {rid: (len(inb.block_ids), inb.hs.reserve_tokens) for rid, inb in items}
-
-    def blocks_by_request(self) -> dict[str, int]:
-        """Blocks held here per request: transfers in flight and received ones not yet taken."""
-        with self.lock:
-            held = {rid: len(inb.block_ids) for rid, inb in self._inbound.items()}
-            held.update((rid, len(inb.block_ids)) for rid, (inb, _) in self._done.items())
-            return held

@@ -37,11 +37,6 @@ BLOCK_WAIT_S = 30.0
 PEER_CHECK_S = 5.0
 
 
-def _reserve(msg: RequestMessage) -> int:
-    """Tokens the request may grow to on its decode worker: what that worker admits at the handshake."""
-    return msg.num_prompt_tokens + msg.sampling.max_tokens
-
-
 class PrefillWorker(EngineWorker):
     role = "prefill"
 
@@ -226,7 +221,9 @@ class PrefillWorker(EngineWorker):
         for (msg, decode_id), r in zip(items, reqs, strict=True):
             peer = self._peers.get(decode_id)
             if peer is not None:
-                opens.append((peer.kv_address, r.request_id, list(r.block_ids), r.num_tokens, _reserve(msg)))
+                opens.append(
+                    (peer.kv_address, r.request_id, list(r.block_ids), r.num_tokens, msg.reserve_tokens)
+                )
         streamer.begin_all(opens)
 
     def _drop(self, req: Request) -> None:
@@ -309,7 +306,7 @@ class PrefillWorker(EngineWorker):
                     req.num_computed_tokens,
                     req.output_token_ids[0],
                     commit=commit,
-                    reserve_tokens=_reserve(msg),
+                    reserve_tokens=msg.reserve_tokens,
                 )
             if self._monitor is not None:
                 self._monitor.record_transfer.remote(

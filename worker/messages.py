@@ -97,6 +97,11 @@ class RequestMessage:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def reserve_tokens(self) -> int:
+        """Tokens the request may grow to on its decode worker (prompt + max_tokens): what that worker reserves."""
+        return self.num_prompt_tokens + self.sampling.max_tokens
+
 
 @dataclass(frozen=True)
 class MessageRef:

@@ -61,6 +61,19 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile", action="store_true", help="torch.compile the engine's forward (graphs still captured)"
     )
+    p.add_argument(
+        "--freeze",
+        choices=["on", "off"],
+        default=None,
+        help="with --compile: freeze the weights into the graph (q/k/v and gate/up concatenated by the "
+        "compiler); default: the engine's own choice for the device",
+    )
+    p.add_argument(
+        "--overlap-decode",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="launch each decode step before the previous one's tokens reach the host (auto: the engine's default)",
+    )
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
     p.add_argument("--out", default="bench/results/gpu", help="report path (without extension)")
 
@@ -188,6 +201,7 @@ def run(args: argparse.Namespace) -> None:
         device=args.device,
         dtype=args.dtype,
         compile=args.compile,
+        overlap_decode=args.overlap_decode,
         cache=CacheConfig(block_size=16, num_blocks=max(decode_blocks, offline_blocks, budget // 16) + 64),
         scheduler=SchedulerConfig(
             max_model_len=args.max_model_len,
@@ -200,10 +214,21 @@ def run(args: argparse.Namespace) -> None:
         from engine.kernels import paged_decode_triton
 
         paged_decode_triton.MAX_SPLITS = args.max_decode_splits
+    if args.freeze is not None:  # before the engine compiles its forward
+        from engine import flat_runner
+
+        flat_runner.FREEZE_WEIGHTS = {
+            **flat_runner.FREEZE_WEIGHTS,
+            torch.device(args.device).type: args.freeze == "on",
+        }
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
     start_s = time.perf_counter() - t0
     dev = engine.device.torch_device
+    from engine import flat_runner
+
+    engine_frozen = flat_runner.FREEZE_WEIGHTS.get(dev.type, False)
+    engine_overlap = engine.config.overlap_decode
     model = engine.loaded.model
     dtype = next(model.parameters()).dtype
     machine = measure_machine(dtype, args.repeats, str(dev))
@@ -244,6 +269,8 @@ def run(args: argparse.Namespace) -> None:
         "dtype": str(dtype).removeprefix("torch."),
         "compiled": args.compile,
         "max_decode_splits": args.max_decode_splits,
+        "frozen_weights": args.compile and engine_frozen,
+        "overlap_decode": engine_overlap,
         "torch": torch.__version__,
         "engine_start_s": start_s,
         "bandwidth_GBps": bw / 1e9,
@@ -298,7 +325,8 @@ def run(args: argparse.Namespace) -> None:
         result,
         table,
         f"device: {result['device']}, copy {bw / 1e9:.0f} GB/s, matmul {rate / 1e12:.0f} TFLOP/s "
-        f"({result['dtype']}); engine started in {start_s:.1f} s",
+        f"({result['dtype']}); engine started in {start_s:.1f} s; compiled {args.compile} (weights frozen "
+        f"{result['frozen_weights']}), decode steps overlapped {engine_overlap}",
         args.json,
         getattr(args, "command", None),
     )

@@ -194,7 +194,9 @@ def time_decode(engine, batch: int, context: int, repeats: int, around=contextli
     from engine.request import Request, SamplingParams
 
     vocab = engine.loaded.model.config.vocab_size
-    sp = SamplingParams(max_tokens=repeats + 2, ignore_eos=True)
+    # Room for every timed step to be a full one: an engine that overlaps decode steps stops launching ahead
+    # a step before a request's last token.
+    sp = SamplingParams(max_tokens=repeats + 4, ignore_eos=True)
     reqs = [Request(f"dc-{batch}-{i}", p, sp) for i, p in enumerate(_prompts(batch, context, vocab, batch))]
     chunk = max(1, engine.config.scheduler.max_num_batched_tokens // context)
     for s in range(0, batch, chunk):  # prefill the contexts (untimed), then hand them to decode
@@ -211,6 +213,8 @@ def time_decode(engine, batch: int, context: int, repeats: int, around=contextli
             times.append(time.perf_counter() - t0)
     for r in reqs:
         engine.abort(r.request_id)
+    while engine.has_unfinished():  # a step still in flight frees the aborted requests' blocks
+        engine.step()
     engine.check_integrity()
     return times
 

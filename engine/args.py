@@ -106,6 +106,13 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
         help="flat: no padding, decodes and prefill chunks in one step (CPU, CUDA default); buckets: padded "
         "warmed shapes (HPU default)",
     )
+    parser.add_argument(
+        "--overlap-decode",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="launch each decode step before the previous step's tokens reach the host (flat policy; auto: on "
+        "CUDA, off on CPU)",
+    )
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

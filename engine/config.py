@@ -104,6 +104,10 @@ class EngineConfig:
     # "flat" (no padding; decodes and prefill chunks share a step), "buckets" (padded warmed shapes), or
     # "auto": the device's default, resolved at start-up.
     shape_policy: str = "auto"
+    # Decode steps queued one ahead of the host (flat policy): step N+1 is launched with step N's tokens still
+    # on the device, so the host's bookkeeping overlaps the device's work. "auto": on where decode steps are
+    # device graphs (CUDA), off on the CPU (host and device are the same cores); resolved at start-up.
+    overlap_decode: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     bucketing: BucketingConfig = field(default_factory=BucketingConfig)
@@ -120,6 +124,10 @@ class EngineConfig:
         if self.shape_policy not in ("auto", *SHAPE_POLICIES):
             raise ConfigError(
                 f"EngineConfig.shape_policy must be auto, flat or buckets, got {self.shape_policy!r}"
+            )
+        if self.overlap_decode not in ("auto", "on", "off"):
+            raise ConfigError(
+                f"EngineConfig.overlap_decode must be auto, on or off, got {self.overlap_decode!r}"
             )
 
 
@@ -138,6 +146,7 @@ def config_from_args(args) -> EngineConfig:
         skip_warmup=bool(g("skip_warmup", False)),
         compile=bool(g("compile", False)),
         shape_policy=g("shape_policy", "auto"),
+        overlap_decode=g("overlap_decode", "auto"),
         cache=CacheConfig(
             **given(
                 block_size=g("block_size"),
@@ -185,4 +194,9 @@ def resolve_engine_config(
     if cache.block_size is None:
         cache = replace(cache, block_size=DEFAULT_BLOCK_SIZE[device_name])
     policy = DEFAULT_SHAPE_POLICY[device_name] if cfg.shape_policy == "auto" else cfg.shape_policy
-    return replace(cfg, device=device_name, cache=cache, shape_policy=policy)
+    overlap = cfg.overlap_decode
+    if overlap == "auto":
+        overlap = "on" if device_name == "cuda" and policy == "flat" else "off"
+    elif overlap == "on" and policy != "flat":
+        raise ConfigError("EngineConfig.overlap_decode 'on' needs shape_policy flat")
+    return replace(cfg, device=device_name, cache=cache, shape_policy=policy, overlap_decode=overlap)

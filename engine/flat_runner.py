@@ -34,16 +34,23 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+# Whether torch.compile freezes the weights into the graph, per device. CPU: the linears become prepacked oneDNN
+# ones. CUDA: no. Frozen, the compiler may concatenate linears that share an input into one GEMM, but on an H100
+# (Llama-3-8B shapes, bf16) the decode step ran the same GEMM kernels in the same time either way, and the
+# engine took twice as long to start.
+FREEZE_WEIGHTS = {"cpu": True, "cuda": False}
+
+
 def compile_flat_forward(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device_type: str):
     """``torch.compile`` for flat steps, with the inductor cache under ``$BUCKETSERVE_CACHE`` so a later start
-    reuses the generated code. On CPU the weights are frozen into the graph (prepacked oneDNN linears); on an
-    accelerator the gain is the fused elementwise work (norms, rotary, activations) between the GEMMs."""
+    reuses the generated code; the weights frozen where ``FREEZE_WEIGHTS`` says. The other gain is the fused
+    elementwise work (norms, rotary, activations) between the GEMMs."""
     import os
 
     from engine.model_builder import cache_root
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
-    options = {"freezing": True} if device_type == "cpu" else {}
+    options = {"freezing": True} if FREEZE_WEIGHTS.get(device_type, False) else {}
     return torch.compile(fn, dynamic=False, options=options)
 
 
@@ -105,7 +112,7 @@ class FlatRunner:
             batches = sorted({max(b, self.min_tokens) for b in graph_batches})
             self._graph_shapes = sorted((b, w) for b in batches for w in graph_widths)
         self._graphs: dict[GraphKey, tuple[dict[str, torch.Tensor], Callable[[], torch.Tensor]]] = {}
-        self._host_inputs: dict[GraphKey, torch.Tensor] = {}  # per graph: its inputs' host buffer (pinned)
+        self._host_inputs: dict[GraphKey, list[torch.Tensor]] = {}  # per graph: two host buffers (pinned)
 
     @property
     def runtime_compilations(self) -> int:
@@ -123,8 +130,12 @@ class FlatRunner:
         return self._compiled(input_ids, positions)
 
     # ------------------------------------------------------------------ inputs
-    def prepare(self, items: Sequence[StepItem]) -> FlatBatch:
+    def prepare(self, items: Sequence[StepItem], ahead: bool = False) -> FlatBatch:
+        """The step's flat inputs. ``ahead``: each request computes one token past the ones it knows, whose id
+        the caller puts into ``input_ids`` on the device (a step launched before the previous one's tokens
+        reached the host); its id here is a placeholder."""
         bs = self.block_size
+        extra = int(ahead)
         null = self.kv.null_block
         ids: list[int] = []
         positions: list[int] = []
@@ -137,16 +148,17 @@ class FlatRunner:
         table = []
         for r, n in items:
             c = r.num_computed_tokens
-            if n < 1 or c + n > r.num_tokens:
-                raise ValueError(f"{r.request_id}: cannot compute {n} tokens from {c} of {r.num_tokens}")
+            known = r.num_tokens + extra
+            if n < 1 or c + n > known:
+                raise ValueError(f"{r.request_id}: cannot compute {n} tokens from {c} of {known}")
             blocks = r.block_ids
-            ids += r.all_token_ids[c : c + n]
+            ids += [0] * n if ahead else r.all_token_ids[c : c + n]
             positions += range(c, c + n)
             slots += [blocks[p // bs] * bs + p % bs for p in range(c, c + n)]
             starts.append(starts[-1] + n)
             seq_lens.append(c + n)
             table.append(blocks[:width] + [null] * (width - min(width, len(blocks))))
-            if c + n == r.num_tokens:
+            if c + n == known:
                 rows.append(starts[-1] - 1)
                 sampled.append(r)
         for _ in range(
@@ -208,15 +220,31 @@ class FlatRunner:
         logits, _ = self.run([(r, 1) for r in reqs])
         return logits
 
+    @torch.inference_mode()
+    def decode_ahead(self, reqs: Sequence[Request], token_ids: torch.Tensor) -> torch.Tensor:
+        """A decode step queued behind the previous one without waiting for its tokens: request ``i`` computes
+        position ``r.num_tokens`` (``r.num_computed_tokens`` already counts the previous step) with token
+        ``token_ids[i]`` [B], still on the device. Returns logits [B, vocab]; nothing here waits for the device."""
+        items = [(r, 1) for r in reqs]
+        if self._graphs:
+            key = self._graph_key(items, ahead=True)
+            if key is not None:
+                return self._replay(key, items, token_ids)
+        batch = self.prepare(items, ahead=True)
+        b = len(reqs)
+        batch.input_ids = torch.cat((token_ids, batch.input_ids[b:]))  # padding rows keep their ids
+        return self.execute(batch)
+
     # ------------------------------------------------------------------ decode graphs
-    def _graph_key(self, items: Sequence[StepItem]) -> GraphKey | None:
+    def _graph_key(self, items: Sequence[StepItem], ahead: bool = False) -> GraphKey | None:
         """The smallest captured shape that holds this step, if it is decodes only (each request computes its
-        last token); None runs it eagerly."""
+        last token, or with ``ahead`` the one after it); None runs it eagerly."""
         width = 0
+        extra = int(ahead)
         for r, n in items:
-            if n != 1 or r.num_computed_tokens + 1 != r.num_tokens:
+            if n != 1 or r.num_computed_tokens + 1 != r.num_tokens + extra:
                 return None
-            width = max(width, -(-r.num_tokens // self.block_size))
+            width = max(width, -(-(r.num_tokens + extra) // self.block_size))
         b = len(items)
         return next(((gb, gw) for gb, gw in self._graphs if gb >= b and gw >= width), None)
 
@@ -225,14 +253,23 @@ class FlatRunner:
         token ids, positions, cache slots and sequence lengths ``[Bp]`` each, then the block table
         ``[Bp, Wp]``. Padding rows are one-token sequences in the null block. Table entries past a sequence's
         last block keep whatever ids they held (every id is a real block, and the operator reads only the blocks
-        under ``seq_len``), so only the used entries are written: numpy row copies, a few microseconds each."""
+        under ``seq_len``), so only the used entries are written: numpy row copies, a few microseconds each.
+
+        Two buffers per shape, used in turn: the copy to the device does not wait (it is queued behind the step
+        before, which may still run), and a buffer is written again only after the step that read it was waited
+        for. A request computing past its known tokens (a step launched ahead) gets id 0, replaced on the
+        device."""
         bp, wp = key
         bs, null = self.block_size, self.kv.null_block
-        host = self._host_inputs.get(key)
-        if host is None:
+        pair = self._host_inputs.get(key)
+        if pair is None:
             pinned = self.kv.device.type == "cuda"
-            host = torch.full((4 * bp + bp * wp,), null, dtype=torch.long, pin_memory=pinned)
-            self._host_inputs[key] = host
+            pair = [
+                torch.full((4 * bp + bp * wp,), null, dtype=torch.long, pin_memory=pinned) for _ in range(2)
+            ]
+            self._host_inputs[key] = pair
+        pair.reverse()
+        host = pair[0]
         flat = host.numpy()
         table = flat[4 * bp :].reshape(bp, wp)
         pad = bp - len(items)
@@ -240,7 +277,7 @@ class FlatRunner:
         for i, (r, _) in enumerate(items):
             c = r.num_computed_tokens
             n = c // bs + 1  # blocks holding positions 0..c
-            ids.append(r.all_token_ids[c])
+            ids.append(r.all_token_ids[c] if c < r.num_tokens else 0)
             positions.append(c)
             slots.append(r.block_ids[c // bs] * bs + c % bs)
             lens.append(c + 1)
@@ -267,9 +304,13 @@ class FlatRunner:
         return self.model.lm_head(hidden).float()  # [Bp, vocab]
 
     @torch.inference_mode()
-    def _replay(self, key: GraphKey, items: Sequence[StepItem]) -> torch.Tensor:
+    def _replay(
+        self, key: GraphKey, items: Sequence[StepItem], token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         static, replay = self._graphs[key]
-        static["packed"].copy_(self._graph_inputs(items, key))
+        static["packed"].copy_(self._graph_inputs(items, key), non_blocking=True)
+        if token_ids is not None:  # [B] ids of a step launched ahead, from the step before, on the device
+            static["packed"][: len(items)].copy_(token_ids)
         return replay()[: len(items)]  # [B, vocab]
 
     @torch.inference_mode()

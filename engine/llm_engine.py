@@ -30,6 +30,7 @@ from engine.linear_prepack import can_prepack, prepack_linears
 from engine.memory import plan_kv_memory
 from engine.model_loader import load_model, read_model_facts
 from engine.model_runner import ModelRunner
+from engine.pending_step import PendingStep
 from engine.request import FinishReason, Request, RequestOutput, RequestRejected, RequestStatus
 from engine.sampler import Sampler
 from engine.scheduler import (
@@ -112,7 +113,11 @@ class LLMEngine:
             "preemptions": 0,
             "prompt_tokens": 0,
             "output_tokens": 0,
+            "overlapped_steps": 0,  # decode steps launched before the previous step's tokens were read
         }
+        # Overlapped decode (see engine.pending_step): the step in flight whose tokens the host has not read.
+        self._overlap = cfg.overlap_decode == "on" and isinstance(self.runner, FlatRunner)
+        self._pending: PendingStep | None = None
         self.warmup_report: dict[str, float] = {}
         if not cfg.skip_warmup:
             self.warmup_report = self.runner.warmup(graph_memory_budget=plan.graph_reserve_bytes or None)
@@ -197,9 +202,12 @@ class LLMEngine:
         return self._output(req, [], [])
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._pending)
 
     def _release(self, req: Request) -> None:
+        if self._pending is not None and self._pending.holds(req):
+            self._pending.release_after.append(req)  # the step in flight still writes into its blocks
+            return
         if req.block_ids:
             self.allocator.free(req.block_ids)
             req.block_ids = []
@@ -265,6 +273,81 @@ class LLMEngine:
         return max(real, shape[0] * shape[1]) if shape is not None else real
 
     def _step_flat(self) -> list[RequestOutput]:
+        """With ``overlap_decode`` on and only greedy decodes to run: queue the next decode step behind the one in
+        flight, then read that one's tokens back while the new one runs (outputs come one step late). Anything
+        else (a prompt waiting, a request joining or leaving, one ending by length, sampling, logprobs) first
+        drains the step in flight and runs a step the plain way."""
+        pending = self._pending
+        if pending is None:
+            if not (self._overlap and self._can_launch(None)):
+                return self._step_flat_sync()
+            pending = self._pending = self._launch(list(self.running), None)
+        if self._can_launch(pending):
+            self._pending = self._launch(pending.reqs, pending.tokens)
+            return self._resolve(pending)
+        self._pending = None
+        return self._resolve(pending) + self._step_flat_sync()
+
+    def _can_launch(self, pending: PendingStep | None) -> bool:
+        """Whether the next step can be launched without the host seeing the tokens of ``pending`` (the step in
+        flight, if any): greedy decodes without logprobs, the same requests as that step in the same order,
+        none of which ends by length there, no prompt waiting, and a free block for each request that needs
+        one."""
+        if self.waiting or not self.running or len(self.running) > self.flat_limits.max_num_batched_tokens:
+            return False
+        ahead = pending is not None
+        if ahead and (
+            len(self.running) != len(pending.reqs)
+            or any(a is not b for a, b in zip(self.running, pending.reqs, strict=True))
+        ):
+            return False
+        max_len = self.config.scheduler.max_model_len
+        need = 0
+        for r in self.running:
+            sp = r.sampling
+            if not sp.greedy or sp.logprobs:
+                return False
+            if ahead:  # its token in flight must not end it, or this step computes past its end
+                if r.num_generated_tokens + 1 >= sp.max_tokens or r.num_tokens + 1 >= max_len:
+                    return False
+            elif r.num_computed_tokens + 1 != r.num_tokens:
+                return False
+            need += self._blocks_to_cover(r, r.num_tokens + int(ahead))
+        return need <= self.allocator.num_free
+
+    def _launch(self, reqs: list[Request], tokens: torch.Tensor | None) -> PendingStep:
+        """Queue a decode step of ``reqs``: from their last known tokens, or with ``tokens`` [B] (the step in
+        flight's, on the device) one position further. Afterwards every request counts the position as
+        computed; its token is appended when the step is resolved."""
+        for r in reqs:
+            self._grow(r, r.num_tokens + (tokens is not None))
+        ahead = tokens is not None
+        logits = self.runner.decode_ahead(reqs, tokens) if ahead else self.runner.decode(reqs)  # [B, vocab]
+        for r in reqs:
+            r.num_computed_tokens += 1
+        self.stats["decode_steps"] += 1
+        self.stats["overlapped_steps"] += ahead
+        greedy = logits.argmax(-1)  # [B], the sampler's greedy choice
+        host, wait = self.device.to_host_async(greedy)
+        return PendingStep(reqs, greedy, host, wait)
+
+    def _resolve(self, step: PendingStep) -> list[RequestOutput]:
+        """Wait for ``step``'s tokens and append them; a request that finishes is released once no step in
+        flight writes into its blocks."""
+        step.wait()
+        outs = []
+        for r, token in zip(step.reqs, step.host_tokens.tolist(), strict=True):
+            if r.finished:  # aborted while the step ran
+                continue
+            outs.append(self._append(r, token, None))
+            if r.finished:
+                self.running.remove(r)
+                self._release(r)
+        for r in step.release_after:
+            self._release(r)
+        return outs
+
+    def _step_flat_sync(self) -> list[RequestOutput]:
         """Decodes and prefill chunks in one step of flat tokens (chunked prefill), under the token budget."""
 
         def state(r: Request) -> SeqState:

@@ -18,6 +18,7 @@ def test_bench_gpu_runs_every_step_and_matches_hf(tmp_path: Path) -> None:
     out = tmp_path / "gpu"
     cmd = [sys.executable, "-m", "bench.gpu", "--model", "tiny", "--device", "cpu", "--dtype", "float32"]
     cmd += ["--prefill", "1x64", "--decode-batches", "1,2", "--context", "64", "--repeats", "2"]
+    cmd += ["--overlap-decode", "on"]  # CUDA's default, so its bookkeeping runs here too
     cmd += [
         "--offline-batch",
         "2",
@@ -38,6 +39,7 @@ def test_bench_gpu_runs_every_step_and_matches_hf(tmp_path: Path) -> None:
         "decode batch 2 @ 64",
     ]
     assert all(r["measured_ms"] > 0 and r["bound_ms"] > 0 for r in result["rows"])
+    assert result["overlap_decode"] == "on"
     assert result["decode_profile"] is None  # the kernel profile is taken on CUDA only
     offline = result["offline"]
     assert offline["identical_outputs"] == 2, offline

@@ -37,6 +37,13 @@ def test_device_contract(name: str) -> None:
     if replay is not None:
         static["a"].fill_(3.0)
         assert replay().tolist() == [6.0, 6.0, 6.0]
+    # A copy to the host that does not wait for the queued work: valid once wait() returns, and it is the
+    # value the queued work produced (a large product queued first, so an early read would see stale data).
+    big = torch.randn(512, 512, device=dev.torch_device)
+    product = (big @ big).sum(0)[:8]
+    host, wait = dev.to_host_async(product)
+    wait()
+    assert host.device.type == "cpu" and torch.equal(host, product.cpu())
 
 
 def test_auto_picks_a_present_device_and_absent_ones_fail_clearly() -> None:

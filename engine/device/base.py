@@ -51,6 +51,11 @@ class Device(abc.ABC):
         """Peak bytes allocated since reset_peak_memory; 0 where unknown."""
         return 0
 
+    def to_host_async(self, t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Start copying ``t`` to the host without waiting for the work queued before it; returns the host tensor
+        and a ``wait()`` after which it holds the data. Synchronous where execution is (the default)."""
+        return t.cpu(), _ready
+
     def capture_graph(self, fn: GraphFn, static_inputs: dict[str, torch.Tensor]) -> GraphFn | None:
         """Capture ``fn(**static_inputs)`` as a replayable graph bound to those input buffers.
 
@@ -75,6 +80,10 @@ class Device(abc.ABC):
     def describe(self) -> str:
         free, total = self.mem_get_info()
         return f"{self.name} ({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB)"
+
+
+def _ready() -> None:
+    pass
 
 
 _REGISTRY: dict[str, Callable[[], type[Device]]] = {}

@@ -54,6 +54,14 @@ class CudaDevice(Device):
     def peak_memory(self) -> int:
         return torch.cuda.max_memory_allocated(self._device)
 
+    def to_host_async(self, t: torch.Tensor):
+        # Pinned, so the copy is a DMA queued behind the kernels that produce t; the event says when it landed.
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self._device))
+        return host, done.synchronize
+
     def paged_attention(self):
         # Decode steps never read back to the host, so they can be captured as graphs.
         return self._operator or paged_attention_gather

@@ -69,6 +69,12 @@ def _add_args(p: argparse.ArgumentParser) -> None:
         "compiler); default: the engine's own choice for the device",
     )
     p.add_argument(
+        "--skinny-gemm",
+        choices=["on", "off"],
+        default="on",
+        help="time the Triton skinny GEMM against cuBLAS per weight shape at start-up and take it where faster",
+    )
+    p.add_argument(
         "--overlap-decode",
         choices=["auto", "on", "off"],
         default="auto",
@@ -214,6 +220,10 @@ def run(args: argparse.Namespace) -> None:
         from engine.kernels import paged_decode_triton
 
         paged_decode_triton.MAX_SPLITS = args.max_decode_splits
+    if args.skinny_gemm == "off":  # before the engine loads its model
+        from engine.device import cuda as cuda_device
+
+        cuda_device.SKINNY_GEMM = False
     if args.freeze is not None:  # before the engine compiles its forward
         from engine import flat_runner
 
@@ -229,6 +239,7 @@ def run(args: argparse.Namespace) -> None:
 
     engine_frozen = flat_runner.FREEZE_WEIGHTS.get(dev.type, False)
     engine_overlap = engine.config.overlap_decode
+    linear_choices = engine.linear_choices
     model = engine.loaded.model
     dtype = next(model.parameters()).dtype
     machine = measure_machine(dtype, args.repeats, str(dev))
@@ -271,6 +282,8 @@ def run(args: argparse.Namespace) -> None:
         "max_decode_splits": args.max_decode_splits,
         "frozen_weights": args.compile and engine_frozen,
         "overlap_decode": engine_overlap,
+        "skinny_gemm": args.skinny_gemm,
+        "linear_choices": linear_choices,
         "torch": torch.__version__,
         "engine_start_s": start_s,
         "bandwidth_GBps": bw / 1e9,
@@ -326,7 +339,8 @@ def run(args: argparse.Namespace) -> None:
         table,
         f"device: {result['device']}, copy {bw / 1e9:.0f} GB/s, matmul {rate / 1e12:.0f} TFLOP/s "
         f"({result['dtype']}); engine started in {start_s:.1f} s; compiled {args.compile} (weights frozen "
-        f"{result['frozen_weights']}), decode steps overlapped {engine_overlap}",
+        f"{result['frozen_weights']}), decode steps overlapped {engine_overlap}, "
+        f"skinny GEMM {args.skinny_gemm}",
         args.json,
         getattr(args, "command", None),
     )

@@ -62,6 +62,7 @@ class LLMEngine:
             prepack_linears(self.loaded.model)
             fuse_gated_mlps(self.loaded.model)
         fuse_rms_norms(self.loaded.model)
+        self.linear_choices = self.device.tune_linears(self.loaded.model)
         self.block_size = bs = cfg.cache.block_size
         self.kv_spec = self.loaded.kv_spec(bs)
         sched = cfg.scheduler

@@ -56,6 +56,11 @@ class Device(abc.ABC):
         and a ``wait()`` after which it holds the data. Synchronous where execution is (the default)."""
         return t.cpu(), _ready
 
+    def tune_linears(self, model: torch.nn.Module) -> dict[str, dict]:
+        """Pick, once at start-up, the fastest way this device has to run each of the model's linear layers at
+        decode-sized row counts; returns what was picked per weight shape (nothing where there is one way)."""
+        return {}
+
     def capture_graph(self, fn: GraphFn, static_inputs: dict[str, torch.Tensor]) -> GraphFn | None:
         """Capture ``fn(**static_inputs)`` as a replayable graph bound to those input buffers.
 

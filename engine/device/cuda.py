@@ -23,6 +23,10 @@ def _triton_operator():
     return paged_attention_cuda
 
 
+# Whether start-up times the Triton skinny GEMM against cuBLAS per weight shape and takes it where faster.
+SKINNY_GEMM = True
+
+
 class CudaDevice(Device):
     name = "cuda"
     dist_backend = "nccl"
@@ -61,6 +65,24 @@ class CudaDevice(Device):
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self._device))
         return host, done.synchronize
+
+    def tune_linears(self, model: torch.nn.Module) -> dict[str, dict]:
+        if not SKINNY_GEMM:
+            return {}
+        try:
+            from engine.kernels.skinny_gemm_triton import CONFIGS, tune_linears
+        except ImportError as e:
+            logger.warning("Triton unavailable (%s): every linear runs on cuBLAS", e)
+            return {}
+        picked = tune_linears(model)
+        torch.cuda.empty_cache()  # the timing's scratch weights, before the KV cache is sized from free memory
+        return {
+            f"{n}x{k}": {
+                "choice": "cublas" if config is None else str(CONFIGS[config]),
+                "ms_at_rows": {str(name): t for name, t in timings.items()},
+            }
+            for (n, k), (config, timings) in picked.items()
+        }
 
     def paged_attention(self):
         # Decode steps never read back to the host, so they can be captured as graphs.

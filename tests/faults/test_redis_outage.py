@@ -40,7 +40,7 @@ from monitor import Monitor, MonitorConfig
 # backoff; a timed-out operation is not retried); later calls go straight to memory.
 FIRST_CALL_BOUND_S = 2.5
 # Under the 1 s socket timeout (MonitorConfig.redis_socket_timeout_s) that a later call would pay if it still
-# touched Redis; a call from memory took up to ~0.6 s on a loaded 2-core host, so 0.5 s failed there by chance.
+# touched Redis; a bound of 0.5 s failed once on a loaded 2-core host, where a call from memory waited for CPU.
 LATER_CALL_BOUND_S = 0.9
 
 

@@ -11,6 +11,9 @@ from .types import KVTransferError, TransferStatus
 
 SERVICE = "bucketserve.kv.KVTransfer"
 RID_KEY = "kv-request-id"
+# A stream's attempt: a broken stream of an earlier attempt, whose end reaches the receiver after the retry's
+# handshake, must not end the retry.
+ATTEMPT_KEY = "kv-attempt"
 POLL_S = 0.05
 
 ACK_TO_STATUS = {
@@ -60,3 +63,9 @@ def identity(b: bytes) -> bytes:
 
 def request_id_of(context: grpc.ServicerContext) -> str:
     return dict(context.invocation_metadata()).get(RID_KEY, "")
+
+
+def attempt_of(context: grpc.ServicerContext) -> int | None:
+    """The transfer attempt a stream belongs to (None from a sender that does not say)."""
+    value = dict(context.invocation_metadata()).get(ATTEMPT_KEY)
+    return int(value) if value is not None and value.isdigit() else None

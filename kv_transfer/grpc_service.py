@@ -12,7 +12,7 @@ import grpc
 from proto import kv_transfer_pb2 as pb
 
 from .base import KVTransport
-from .grpc_codes import SERVICE, STATUS_TO_HS, make_ack, request_id_of
+from .grpc_codes import SERVICE, STATUS_TO_HS, attempt_of, make_ack, request_id_of
 from .shm import ShmAttachments, node_id
 from .types import Handshake, KVTransferError, TransferStatus
 from .wire import decode_chunk, info_from_pb
@@ -94,7 +94,7 @@ class KVService:
         except KVTransferError as e:
             return make_ack(e.status, rid, e.detail)
         except Exception as e:  # the stream broke (sender cancelled or died): free what arrived
-            self.rx.fail(rid, TransferStatus.ABORTED, f"stream broken: {e!r}")
+            self.rx.fail(rid, TransferStatus.ABORTED, f"stream broken: {e!r}", attempt_of(context))
             return make_ack(TransferStatus.ABORTED, rid, "stream broken")
 
     def shm_transfer(self, chunks: Iterator, context: grpc.ServicerContext) -> Iterator[pb.SlotRelease]:
@@ -118,10 +118,11 @@ class KVService:
             status, final, detail = self.rx.end_stream(rid)
             yield pb.SlotRelease(ack=make_ack(status, rid, detail, final))
         except KVTransferError as e:
-            self.rx.fail(rid, e.status, e.detail)  # its blocks come back at once (a no-op when already freed)
+            # Its blocks come back at once (a no-op when already freed, or when a retry has replaced this attempt).
+            self.rx.fail(rid, e.status, e.detail, attempt_of(context))
             yield pb.SlotRelease(ack=make_ack(e.status, rid, e.detail))
         except Exception as e:
-            self.rx.fail(rid, TransferStatus.ABORTED, f"stream broken: {e!r}")
+            self.rx.fail(rid, TransferStatus.ABORTED, f"stream broken: {e!r}", attempt_of(context))
 
     def _segment(self, name: str, rid: str) -> memoryview:
         """The sender's segment named in a chunk header; a name not of our pattern is never opened."""

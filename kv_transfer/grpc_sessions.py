@@ -28,7 +28,7 @@ class SessionHost(Protocol):
 
     def channel(self, peer: str, index: int = 0) -> grpc.Channel: ...
 
-    def metadata(self, request_id: str = "") -> list[tuple[str, str]]: ...
+    def metadata(self, request_id: str = "", attempt: int | None = None) -> list[tuple[str, str]]: ...
 
     def zero_copy_segment(self): ...
 
@@ -67,11 +67,11 @@ class RequestStream:
 class GrpcSession(SenderSession):
     path = "grpc"
 
-    def __init__(self, transport: SessionHost, peer: str, request_id: str) -> None:
+    def __init__(self, transport: SessionHost, peer: str, request_id: str, attempt: int) -> None:
         cfg = transport.config
         self.request_id = request_id
         self.timeout = cfg.rpc_timeout_s
-        md = transport.metadata(request_id)
+        md = transport.metadata(request_id, attempt)
         self.streams: list[RequestStream] = []
         self.calls: list[grpc.Future] = []
         for i in range(cfg.num_streams):
@@ -131,7 +131,9 @@ class GrpcSession(SenderSession):
 class ShmSession(SenderSession):
     path = "shm"
 
-    def __init__(self, transport: SessionHost, peer: str, request_id: str, ring: ShmRing) -> None:
+    def __init__(
+        self, transport: SessionHost, peer: str, request_id: str, ring: ShmRing, attempt: int
+    ) -> None:
         cfg = transport.config
         self.request_id = request_id
         self.ring = ring
@@ -153,7 +155,7 @@ class ShmSession(SenderSession):
             response_deserializer=pb.SlotRelease.FromString,
         )
         self.responses = call(
-            iter(self.stream), timeout=self.timeout, metadata=transport.metadata(request_id)
+            iter(self.stream), timeout=self.timeout, metadata=transport.metadata(request_id, attempt)
         )
         threading.Thread(target=self._read, name=f"kv-shm-{request_id}", daemon=True).start()
 

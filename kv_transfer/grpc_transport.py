@@ -21,7 +21,7 @@ from proto import kv_transfer_pb2 as pb
 
 from .base import KVTransport, SenderSession, register_transport
 from .config import is_loopback
-from .grpc_codes import HS_TO_STATUS, RID_KEY, SERVICE, rpc_error
+from .grpc_codes import ATTEMPT_KEY, HS_TO_STATUS, RID_KEY, SERVICE, rpc_error
 from .grpc_service import AuthInterceptor, KVService
 from .grpc_sessions import GrpcSession, ShmSession
 from .shm import ShmRing, node_id
@@ -64,8 +64,10 @@ class GrpcKVTransport(KVTransport):
         self._ring: ShmRing | None = None
 
     # -- security ---------------------------------------------------------------------------------
-    def metadata(self, request_id: str = "") -> list[tuple[str, str]]:
+    def metadata(self, request_id: str = "", attempt: int | None = None) -> list[tuple[str, str]]:
         md = [(RID_KEY, request_id)] if request_id else []
+        if attempt is not None:
+            md.append((ATTEMPT_KEY, str(attempt)))
         if self.config.auth_token:
             md.append(("authorization", f"Bearer {self.config.auth_token}"))
         return md
@@ -202,8 +204,8 @@ class GrpcKVTransport(KVTransport):
         if result.status is not TransferStatus.OK:
             return result, None
         if route == "shm":
-            return result, ShmSession(self, peer, hs.request_id, self.ring())
-        return result, GrpcSession(self, peer, hs.request_id)
+            return result, ShmSession(self, peer, hs.request_id, self.ring(), hs.attempt)
+        return result, GrpcSession(self, peer, hs.request_id, hs.attempt)
 
     def _abort_remote(self, peer: str, request_id: str, reason: str) -> None:
         self._unary(

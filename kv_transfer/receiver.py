@@ -321,8 +321,21 @@ class KVReceiver:
                     inb.hs.reserve_tokens,
                 )
 
-    def _close(self, request_id: str, status: TransferStatus, reason: str) -> bool:
+    def _close(
+        self, request_id: str, status: TransferStatus, reason: str, attempt: int | None = None
+    ) -> bool:
         with self.lock:
+            if attempt is not None:
+                current = self._inbound.get(request_id) or self._done.get(request_id, (None, 0.0))[0]
+                if current is not None and current.hs.attempt != attempt:
+                    log.info(
+                        "kv receive %s: attempt %d ended (%s), attempt %d goes on",
+                        request_id,
+                        attempt,
+                        reason,
+                        current.hs.attempt,
+                    )
+                    return False
             inb = self._inbound.pop(request_id, None)
             done = self._done.pop(request_id, None)
             if inb is None and done is not None:
@@ -354,8 +367,10 @@ class KVReceiver:
                     self._refused.popitem(last=False)
         return self._close(request_id, TransferStatus.ABORTED, reason)
 
-    def fail(self, request_id: str, status: TransferStatus, reason: str) -> bool:
-        return self._close(request_id, status, reason)
+    def fail(self, request_id: str, status: TransferStatus, reason: str, attempt: int | None = None) -> bool:
+        """End a transfer that failed on the wire. With ``attempt``, only that attempt: a stream of an earlier
+        attempt that breaks after a retry's handshake leaves the retry alone."""
+        return self._close(request_id, status, reason, attempt)
 
     def expire(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -189,5 +190,47 @@ def test_sender_blocks_instead_of_buffering_when_the_receiver_stalls(monkeypatch
     finally:
         gate.set()
         sender.join(30)
+        tx.close()
+        rx.close()
+
+
+def test_a_broken_stream_of_an_earlier_attempt_leaves_the_retry_alone() -> None:
+    # A retry's handshake replaces the failed attempt on the receiver; the old attempt's streams are cancelled by
+    # the sender and their end can reach the receiver after that handshake. It used to end the retry too (seen
+    # as "stream broken" on a retry after a checksum failure).
+    from kv_transfer.types import Handshake
+
+    rx = LocalEndpoint("grpc", SPEC, 64, TransferConfig(**BASE))
+    cache, alloc, tx = _sender(num_streams=2, same_node_fast_path=False)
+
+    def handshake(attempt: int) -> Handshake:
+        return Handshake(
+            request_id="retried",
+            fingerprint=SPEC.fingerprint(),
+            sender_block_size=SPEC.block_size,
+            num_tokens=8,
+            first_token=1,
+            num_chunks=4,
+            attempt=attempt,
+            num_streams=2,
+        )
+
+    try:
+        first, old = tx._connect(rx.address, handshake(1))
+        assert first.status is TransferStatus.OK and old is not None
+        second, new = tx._connect(rx.address, handshake(2))
+        assert second.status is TransferStatus.OK and new is not None
+        old.cancel()  # the first attempt's streams break on the receiver now, after the retry's handshake
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:  # give the receiver time to see the broken streams
+            time.sleep(0.05)
+        stats = rx.stats()
+        assert stats["in_flight"] == 1, f"the retry was ended by its predecessor's broken stream: {stats}"
+        new.cancel()
+        deadline = time.monotonic() + 5.0
+        while rx.stats()["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rx.stats()["in_flight"] == 0 and rx.stats()["used_blocks"] == 0
+    finally:
         tx.close()
         rx.close()

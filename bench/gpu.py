@@ -194,6 +194,7 @@ def run(args: argparse.Namespace) -> None:
 
     from bench.report import publish
     from bench.roofline import ModelShape, measure_machine, step_rows
+    from engine import flat_runner
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
 
@@ -225,8 +226,6 @@ def run(args: argparse.Namespace) -> None:
 
         cuda_device.SKINNY_GEMM = False
     if args.freeze is not None:  # before the engine compiles its forward
-        from engine import flat_runner
-
         flat_runner.FREEZE_WEIGHTS = {
             **flat_runner.FREEZE_WEIGHTS,
             torch.device(args.device).type: args.freeze == "on",
@@ -235,8 +234,6 @@ def run(args: argparse.Namespace) -> None:
     engine = LLMEngine(cfg)
     start_s = time.perf_counter() - t0
     dev = engine.device.torch_device
-    from engine import flat_runner
-
     engine_frozen = flat_runner.FREEZE_WEIGHTS.get(dev.type, False)
     engine_overlap = engine.config.overlap_decode
     linear_choices = engine.linear_choices

@@ -320,9 +320,9 @@ class LLMEngine:
         """Queue a decode step of ``reqs``: from their last known tokens, or with ``tokens`` [B] (the step in
         flight's, on the device) one position further. Afterwards every request counts the position as
         computed; its token is appended when the step is resolved."""
-        for r in reqs:
-            self._grow(r, r.num_tokens + (tokens is not None))
         ahead = tokens is not None
+        for r in reqs:
+            self._grow(r, r.num_tokens + ahead)
         logits = self.runner.decode_ahead(reqs, tokens) if ahead else self.runner.decode(reqs)  # [B, vocab]
         for r in reqs:
             r.num_computed_tokens += 1

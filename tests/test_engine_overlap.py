@@ -18,11 +18,6 @@ def engine():
     return LLMEngine(small_config(shape_policy="flat", overlap_decode="on"))
 
 
-def _expected(hf_reference, engine: LLMEngine, req: Request, n: int) -> list[int]:
-    ref = hf_reference(engine.loaded.path).greedy(req.prompt_token_ids, n)
-    return ref
-
-
 def test_abort_in_flight_keeps_blocks_until_the_step_ran(engine: LLMEngine, hf_reference) -> None:
     prompts = random_prompts([30, 50, 20], seed=11)
     reqs = [Request(f"a{i}", p, SamplingParams(max_tokens=24)) for i, p in enumerate(prompts)]
@@ -46,7 +41,7 @@ def test_abort_in_flight_keeps_blocks_until_the_step_ran(engine: LLMEngine, hf_r
         engine.step()
     assert len(victim.output_token_ids) == generated  # nothing appended after the abort
     for r in reqs:
-        expected = _expected(hf_reference, engine, r, 24)
+        expected = hf_reference(engine.loaded.path).greedy(r.prompt_token_ids, 24)
         if r is victim:
             assert r.output_token_ids == expected[:generated]
         else:

@@ -87,13 +87,18 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: int) -> torch.Tensor:
     return y
 
 
-@torch.library.custom_op("bucketserve::skinny_gemm", mutates_args=())
-def skinny_linear_op(x: torch.Tensor, w: torch.Tensor, config: int) -> torch.Tensor:
-    """The linear of a layer that took the kernel: the kernel up to ``MAX_ROWS`` rows, ``F.linear`` above. One
-    opaque operator, so one compiled graph (dynamic in the token count) serves both."""
+def _skinny_or_linear(x: torch.Tensor, w: torch.Tensor, config: int) -> torch.Tensor:
+    """The linear of a layer that took the kernel: the kernel up to ``MAX_ROWS`` rows, ``F.linear`` above."""
     if x.shape[0] <= MAX_ROWS and x.stride(-1) == 1:
         return skinny_gemm(x, w, config)
     return F.linear(x, w)
+
+
+@torch.library.custom_op("bucketserve::skinny_gemm", mutates_args=())
+def skinny_linear_op(x: torch.Tensor, w: torch.Tensor, config: int) -> torch.Tensor:
+    """:func:`_skinny_or_linear` as one opaque operator, so one compiled graph (dynamic in the token count) keeps
+    the choice by row count at run time."""
+    return _skinny_or_linear(x, w, config)
 
 
 @skinny_linear_op.register_fake
@@ -104,7 +109,9 @@ def _skinny_linear_fake(x: torch.Tensor, w: torch.Tensor, config: int) -> torch.
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # x [..., K] -> [..., N]
     flat = x.reshape(-1, x.shape[-1])  # [M, K]
-    return skinny_linear_op(flat, self.weight, self.skinny_config).view(*x.shape[:-1], self.out_features)
+    # Eager calls skip the operator's dispatch, as the CPU's prepacked linears do.
+    fn = skinny_linear_op if torch.compiler.is_compiling() else _skinny_or_linear
+    return fn(flat, self.weight, self.skinny_config).view(*x.shape[:-1], self.out_features)
 
 
 def _time_ms(fn, inputs: list, reps: int = 20) -> float:

@@ -388,10 +388,10 @@ class GatewayDeployment:
             logging.getLogger("ray.serve").addFilter(_drop_polling_access_log)
         self._preload: threading.Thread | None = None
         if settings.preload_tokenizer is not None:
-            # The app's tokenizer needs transformers (and torch): seconds of imports on a first load, done while
-            # the backend waits for the cluster to finish warming up instead of after it (4 s of a 23 s start
-            # on two cores). The app is built after the thread ends: transformers' lazy module does not take
-            # two threads importing it at once.
+            # The app's tokenizer needs transformers: a second or more of imports on a first load (and torch's
+            # for a tokenizer class that only AutoTokenizer builds), done while the backend waits for the cluster
+            # to finish warming up instead of after it (4 s of a 23 s start on two cores). The app is built after
+            # the thread ends: transformers' lazy module does not take two threads importing it at once.
             self._preload = threading.Thread(
                 target=_preload_tokenizer,
                 args=(settings.preload_tokenizer,),

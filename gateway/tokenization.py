@@ -8,6 +8,8 @@ loaded from the checkpoint folder the backend names, the same files the workers 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -46,10 +48,34 @@ TOKENIZE_THREADS = 2
 _POOL = ThreadPoolExecutor(max_workers=TOKENIZE_THREADS, thread_name_prefix="tokenize")
 
 
+# Tokenizer classes that are the tokenizers library's own pipeline, read whole from ``tokenizer.json``: what
+# AutoTokenizer would build for them, built without AutoTokenizer's imports.
+_PLAIN_BACKENDS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(path: str) -> Any:
+    """The checkpoint's tokenizer. One whose config names a plain tokenizers backend (the built-in models', and
+    many real checkpoints') is loaded through that class directly: AutoTokenizer's module imports torch, which
+    cost a gateway replica about 2 s of a start-up spent beside the workers' own on the same cores, for nothing
+    a tokenizer uses. Any other class goes through AutoTokenizer."""
+    if _tokenizer_class(path) in _PLAIN_BACKENDS and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def _tokenizer_class(path: str) -> str | None:
+    """``tokenizer_class`` of a local checkpoint's ``tokenizer_config.json``; None when it has none (or the path
+    is not a folder: AutoTokenizer then says what is wrong)."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            value = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 class Tokenizer:

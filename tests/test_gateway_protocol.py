@@ -129,3 +129,46 @@ def test_build_app_needs_a_factory_and_binds_the_ingress() -> None:
     assert deployment.num_replicas == 2
     assert deployment.max_ongoing_requests == 1024
     assert hasattr(GatewayDeployment, "__serve_build_asgi_app__")
+
+
+def test_the_gateway_tokenizer_equals_autotokenizers_and_loads_without_torch(tmp_path, monkeypatch) -> None:
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from engine.model_loader import resolve_model_path
+    from gateway.tokenization import load_tokenizer as gateway_tokenizer
+
+    path = str(resolve_model_path("tiny"))
+    ours, auto = gateway_tokenizer(path), AutoTokenizer.from_pretrained(path)
+    texts = ["Hello, world!", "  spaces\tand\nlines ", "ünïcödé ✓ 東京", "<|begin_of_text|>x<|pad|>"]
+    for text in texts:
+        assert ours(text).input_ids == auto(text).input_ids
+        assert ours.decode(ours(text).input_ids) == auto.decode(auto(text).input_ids)
+    assert len(ours) == len(auto) and ours.all_special_ids == auto.all_special_ids
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(chat, tokenize=False)
+    # The replica's start-up saves torch's import with it (the point of the direct load).
+    probe = f"import sys; from gateway.tokenization import load_tokenizer; load_tokenizer({path!r}); print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "False", out.stderr
+    # Another tokenizer class goes through AutoTokenizer (which knows what that class needs); ours does not.
+    other = tmp_path / "ckpt"
+    shutil.copytree(path, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "LlamaTokenizerFast"
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    through_auto: list[str] = []
+    load = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(
+        AutoTokenizer, "from_pretrained", lambda p, **k: through_auto.append(str(p)) or load(p, **k)
+    )
+    gateway_tokenizer(path)
+    assert through_auto == []
+    assert gateway_tokenizer(str(other))("Hello").input_ids == auto("Hello").input_ids
+    assert through_auto == [str(other)]

@@ -24,16 +24,25 @@ MAX_HTTP_PORT = "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"  # exclusive: the ports
 MIN_DRAINING_PERIOD = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 
 
+MODES = ("auto", "on", "off")
+
+
 def check(address: str | None, gateway_replicas: int) -> str | None:
-    """What makes ``--direct-ingress`` impossible with these flags, in flag terms; None when nothing does."""
+    """What makes direct ingress impossible with these flags, in flag terms; None when nothing does."""
     if address is not None:
         return (
-            f"--direct-ingress cannot join a running cluster (--address {address}): Serve reads the setting from "
-            "the environment its processes start with; leave --address out"
+            f"--direct-ingress on cannot join a running cluster (--address {address}): Serve reads the setting "
+            "from the environment its processes start with; leave --address out"
         )
     if gateway_replicas != 1:
-        return f"--direct-ingress serves one gateway replica on --port, got --gateway-replicas {gateway_replicas}"
+        return f"--direct-ingress on serves one gateway replica on --port, got --gateway-replicas {gateway_replicas}"
     return None
+
+
+def wanted(mode: str, address: str | None, gateway_replicas: int) -> bool:
+    """Whether serve runs the gateway with direct ingress: ``on`` always (``check`` has passed), ``auto`` where
+    it can (a cluster started here, one gateway replica), ``off`` never."""
+    return mode == "on" or (mode == "auto" and check(address, gateway_replicas) is None)
 
 
 def environment(port: int) -> dict[str, str]:

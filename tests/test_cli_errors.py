@@ -77,13 +77,14 @@ def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
         (["--kv-tls-ca", "/no/ca.pem"], "error: --kv-tls-ca: no such file '/no/ca.pem'"),
         (["--kv-auth-token", "two words"], "error: --kv-auth-token must be printable ASCII without spaces"),
         (["--kv-auth-token", ""], "error: --kv-auth-token must be a non-empty string when set"),
+        (["--direct-ingress", "yes"], "argument --direct-ingress: invalid choice: 'yes'"),
         (
-            ["--direct-ingress", "--gateway-replicas", "2"],
-            "error: --direct-ingress serves one gateway replica on --port, got --gateway-replicas 2",
+            ["--direct-ingress", "on", "--gateway-replicas", "2"],
+            "error: --direct-ingress on serves one gateway replica on --port, got --gateway-replicas 2",
         ),
         (
-            ["--direct-ingress", "--address", "auto"],
-            "error: --direct-ingress cannot join a running cluster (--address auto)",
+            ["--direct-ingress", "on", "--address", "auto"],
+            "error: --direct-ingress on cannot join a running cluster (--address auto)",
         ),
     ],
 )

@@ -125,10 +125,10 @@ def check_ray_listens_on_loopback_only(server: ServerProcess) -> None:
 
 
 def test_direct_ingress_answers_on_the_port_from_the_replica(tmp_path: Path, hf_reference) -> None:
-    """``--direct-ingress``: the gateway replica itself listens on --port (Serve's proxy elsewhere, unused); greedy
+    """``--direct-ingress on``: the gateway replica itself listens on --port (Serve's proxy elsewhere, unused); greedy
     completions, streamed and not, equal Hugging Face's; Ctrl-C still drains and stops cleanly."""
     port = free_port()
-    server = ServerProcess(serve_tiny(port, "--direct-ingress"), {}, tmp_path / "serve.log")
+    server = ServerProcess(serve_tiny(port, "--direct-ingress", "on"), {}, tmp_path / "serve.log")
     base = f"http://127.0.0.1:{port}"
     prompt = [17, 300, 42, 9, 1000, 5]
     try:

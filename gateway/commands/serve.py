@@ -42,6 +42,7 @@ API_KEY_ENV = "BUCKETSERVE_API_KEY"
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from engine.args import add_engine_args
+    from gateway.direct_ingress import MODES as DIRECT_INGRESS_MODES
     from gateway.flags import port_number, resource_map
     from gateway.kv_flags import add_kv_security_args
     from kv_transfer.config import CLUSTER_TRANSPORTS
@@ -188,9 +189,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gateway-replicas", type=int, default=1, help="Ray Serve replicas of the HTTP gateway")
     p.add_argument(
         "--direct-ingress",
-        action="store_true",
-        help="the gateway replica answers HTTP on --port itself instead of behind Ray Serve's proxy: one process "
-        "hop less per request and per streamed chunk (one gateway replica, a Ray cluster started here)",
+        choices=DIRECT_INGRESS_MODES,
+        default="auto",
+        help="on: the gateway replica answers HTTP on --port itself instead of behind Ray Serve's proxy, one "
+        "process hop less per request and per streamed chunk (needs one gateway replica and a Ray cluster started "
+        "here); auto: on where it can be; off: behind the proxy",
     )
     p.add_argument(
         "--drain-timeout-s",
@@ -367,7 +370,7 @@ def checked_cluster_config(args: argparse.Namespace, detached: bool = False, qui
         raise FlagError(in_flag_terms(parser, str(e))) from None
     if args.gateway_replicas < 1:
         raise FlagError(f"--gateway-replicas must be >= 1, got {args.gateway_replicas}")
-    if args.direct_ingress:
+    if args.direct_ingress == "on":
         from gateway import direct_ingress
 
         problem = direct_ingress.check(args.address, args.gateway_replicas)
@@ -435,7 +438,7 @@ def build_serve_app(cli_args: dict[str, Any]):
     parser = _serve_parser()
     parser.set_defaults(**config_values(cli_args, "serve config args"))
     args = parser.parse_args([])
-    if args.direct_ingress:
+    if args.direct_ingress == "on":
         from gateway.flags import FlagError
 
         # Serve runs already, started without it: direct ingress is the cluster's setting, not the app's.
@@ -630,12 +633,11 @@ def run(args: argparse.Namespace) -> int:
     def on_signal(*_: Any) -> None:
         (force if stop.is_set() else stop).set()
 
-    proxy_port = args.port
-    if args.direct_ingress:
-        from gateway import direct_ingress
+    from gateway import direct_ingress
 
-        # Before Ray starts (its processes inherit the settings) and before Serve is imported here.
-        proxy_port = direct_ingress.enable(args.host, args.port)
+    direct = direct_ingress.wanted(args.direct_ingress, args.address, args.gateway_replicas)
+    # Before Ray starts (its processes inherit the settings) and before Serve is imported here.
+    proxy_port = direct_ingress.enable(args.host, args.port) if direct else args.port
     try:
         with start_up.held_while_ray_starts():
             from ray import serve
@@ -689,7 +691,7 @@ def run(args: argparse.Namespace) -> int:
         if gateway_failed:
             raise gateway_failed[0]
         _wait_for_gateway("bucketserve", config.startup_timeout_s)
-        if args.direct_ingress:
+        if direct:
             direct_ingress.check_listening(args.host, args.port)
         # The first SIGTERM or Ctrl-C from here on drains the gateway, a second one stops at once.
         start_up.hand_over(on_signal)

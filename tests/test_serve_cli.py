@@ -168,6 +168,20 @@ def test_direct_ingress_answers_on_the_port_from_the_replica(tmp_path: Path, hf_
             assert ids == hf_reference("tiny", "cpu").greedy(prompt, 8, ignore_eos=True), stream
         bad = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": "ten"}, timeout=30)
         assert bad.status_code == 400 and "max_tokens" in bad.text, bad.text
+        # A client that goes away mid-stream frees its KV (Serve's own server sees the disconnect, not its proxy).
+        long = {"prompt": list(range(100, 160)), "max_tokens": 180, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=60) as c, c.stream("POST", f"{base}/v1/completions", json=long) as r:
+            assert r.status_code == 200
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 5:
+                    break
+            assert sum(kv_used(base).values()) > 0, "the request should hold KV while it streams"
+        deadline = time.monotonic() + 20
+        while sum(kv_used(base).values()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert sum(kv_used(base).values()) == 0, kv_used(base)
     finally:
         server.stop()
     log = server.log_path.read_text(errors="replace")
@@ -176,3 +190,11 @@ def test_direct_ingress_answers_on_the_port_from_the_replica(tmp_path: Path, hf_
         log.splitlines()
     )  # Ray relays the replica's access log lines late: they may come between these two
     assert lines[-1] == "stopped." and "stopping..." in lines, log[-2000:]
+
+
+def kv_used(base: str) -> dict[str, int]:
+    """KV blocks in use per worker, as the dashboard's data reports them (the workers' heartbeats)."""
+    return {
+        w["worker_id"]: w["kv_blocks_used"]
+        for w in httpx.get(f"{base}/dashboard/data", timeout=30).json()["workers"]
+    }

@@ -169,14 +169,19 @@ class RayClusterBackend(ServingBackend):
         submitting: asyncio.Future | None = None
         try:
             msg = RequestMessage.from_request(req, self.consumer_id)
-            # Arrivals feed the monitor's arrival rate and mean prompt length (the controller's N_max figures);
-            # fire-and-forget: the monitor is for operators and planning, serving does not wait on it.
-            self.handles.monitor.record_arrival.remote(req.priority_class.value, req.num_prompt_tokens)
             # Its own task, so a caller that gives up (deadline, disconnect) does not cut it short: its abort is
             # sent once the submission has landed, never ahead of it (Ray does not order the calls of one caller
             # to an async actor).
             submitted = {stages.SUBMITTED: time.time()}
             submitting = asyncio.ensure_future(self._submit(msg, stream))
+            # Arrivals feed the monitor's arrival rate and mean prompt length (the controller's N_max figures);
+            # fire-and-forget: the monitor is for operators and planning, serving does not wait on it. Sent once
+            # the submission is on its way: a Ray call costs this process about a millisecond.
+            submitting.add_done_callback(
+                lambda _: self.handles.monitor.record_arrival.remote(
+                    req.priority_class.value, req.num_prompt_tokens
+                )
+            )
             try:
                 await asyncio.shield(submitting)
             except Exception as e:

@@ -3,10 +3,10 @@ the user's port itself, instead of behind Serve's proxy.
 
 Behind the proxy every request and every streamed chunk takes one more process hop (client -> proxy -> replica
 and back), and the replica reads the request body from the proxy over Ray: on a 2-core machine that hop cost a
-streamed completion 8-17 ms of its time to first token (the same server, both ways, alternating). Serve (2.55 and
-later) can start an HTTP server inside each ingress replica, on a port its controller hands out from a range set
-by environment variables read when Serve's processes start; Serve still starts its proxy, which is moved to a
-free loopback port that nothing needs to call.
+streamed completion 8-17 ms of its time to first token (the same server, both ways, alternating). Serve (as of
+the pinned 2.60) can start an HTTP server inside each ingress replica, on a port its controller hands out from a
+range set by environment variables read when Serve's processes start; Serve still starts its proxy, which is
+moved to a free port that nothing needs to call.
 
 What it asks for, checked at start-up: a Ray cluster started here (the variables reach Serve's controller and
 replicas only through the processes this one starts) and one gateway replica (only one replica can hold the port).

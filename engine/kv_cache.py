@@ -75,6 +75,18 @@ class KVCacheSpec:
         return -(-num_tokens // self.block_size)
 
 
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+
+
+def _tensor_over(buf, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` over a writable buffer of exactly its size (the tensor keeps the buffer alive)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # frombuffer warns about non-writable buffers only
+        flat = torch.frombuffer(buf, dtype=torch.uint8, count=_nbytes(shape, dtype))
+    return flat.view(dtype).view(shape)
+
+
 def _unlink(shm: shared_memory.SharedMemory) -> None:
     with contextlib.suppress(FileNotFoundError):
         shm.unlink()
@@ -119,26 +131,17 @@ class KVCache:
         when it is first written. ``torch.zeros`` writes every byte up front: about 1 GiB for ``small``'s default
         cache, which cost each worker 3.5-4.3 s of a start-up on two cores (page faults, with the other
         processes starting beside it), for blocks most of which a short run never touches."""
-        nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            # The tensor holds the buffer (so the mapping lives as long as it does); page-aligned.
-            flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
-        return flat.view(dtype).view(shape)
+        buf = mmap.mmap(-1, _nbytes(shape, dtype), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return _tensor_over(buf, shape, dtype)  # the tensor holds the mapping: it lives as long as the tensor
 
     def _shared_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-        shm = create_segment(nbytes)  # a new segment reads as zeros
+        shm = create_segment(_nbytes(shape, dtype))  # a new segment reads as zeros
         self.shm_name = shm.name
         # The tensor borrows shm.buf, so the segment cannot be closed while it lives; unlinking the
         # name when the cache is collected (or at exit, by the resource tracker) leaves peers'
         # mappings valid and frees the memory once every mapping is gone.
         weakref.finalize(self, _unlink, shm)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # frombuffer warns about non-writable buffers only
-            flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
-        return flat.view(dtype).view(shape)
+        return _tensor_over(shm.buf, shape, dtype)
 
     def key_cache(self, layer: int) -> torch.Tensor:
         return self.data[layer, 0]  # [num_blocks + 1, block_size, KVH, D]

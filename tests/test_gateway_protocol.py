@@ -4,14 +4,20 @@ with stop strings, and the Ray Serve wiring (picklable settings, the ingress cla
 from __future__ import annotations
 
 import functools
+import json
 import pickle
+import shutil
+import subprocess
+import sys
 
 import pytest
+from transformers import AutoTokenizer
 
-from engine.model_loader import load_tokenizer
+from engine.model_loader import load_tokenizer, resolve_model_path
 from gateway.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 from gateway.settings import GatewaySettings
 from gateway.tokenization import IncrementalDetokenizer, Tokenizer
+from gateway.tokenization import load_tokenizer as gateway_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -132,16 +138,6 @@ def test_build_app_needs_a_factory_and_binds_the_ingress() -> None:
 
 
 def test_the_gateway_tokenizer_equals_autotokenizers_and_loads_without_torch(tmp_path, monkeypatch) -> None:
-    import json
-    import shutil
-    import subprocess
-    import sys
-
-    from transformers import AutoTokenizer
-
-    from engine.model_loader import resolve_model_path
-    from gateway.tokenization import load_tokenizer as gateway_tokenizer
-
     path = str(resolve_model_path("tiny"))
     ours, auto = gateway_tokenizer(path), AutoTokenizer.from_pretrained(path)
     texts = ["Hello, world!", "  spaces\tand\nlines ", "ünïcödé ✓ 東京", "<|begin_of_text|>x<|pad|>"]

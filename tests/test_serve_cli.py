@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from gateway_helpers import sse_events
 from listening_sockets import command_line, listeners, session_members
 
 from bench.server_process import ServerProcess, free_port, wait_healthy
@@ -150,18 +151,14 @@ def test_direct_ingress_answers_on_the_port_from_the_replica(tmp_path: Path, hf_
             r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
             if stream:
-                chunks = [
-                    json.loads(x.removeprefix("data: "))
-                    for x in r.text.split("\n\n")
-                    if x.startswith("data: {")
-                ]
+                events = sse_events(r.text.splitlines())
+                assert events[-1] == "[DONE]", r.text[-300:]
                 labels = [
                     t
-                    for c in chunks
-                    if c["choices"][0]["logprobs"]
-                    for t in c["choices"][0]["logprobs"]["tokens"]
+                    for e in events[:-1]
+                    if e["choices"][0]["logprobs"]
+                    for t in e["choices"][0]["logprobs"]["tokens"]
                 ]
-                assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
             else:
                 labels = r.json()["choices"][0]["logprobs"]["tokens"]
             ids = [int(t.removeprefix("token_id:")) for t in labels]
@@ -186,9 +183,8 @@ def test_direct_ingress_answers_on_the_port_from_the_replica(tmp_path: Path, hf_
         server.stop()
     log = server.log_path.read_text(errors="replace")
     assert server.proc.returncode == 0, log[-3000:]
-    lines = (
-        log.splitlines()
-    )  # Ray relays the replica's access log lines late: they may come between these two
+    # Ray relays the replica's access log lines late: they may come between these two.
+    lines = log.splitlines()
     assert lines[-1] == "stopped." and "stopping..." in lines, log[-2000:]
 
 

@@ -78,7 +78,7 @@ class KVService:
         )
 
     def transfer(self, chunks: Iterator, context: grpc.ServicerContext) -> pb.TransferAck:
-        rid = request_id_of(context)
+        rid, attempt = request_id_of(context), attempt_of(context)
         try:
             for header, payload in chunks:
                 if header.request_id != rid:
@@ -86,19 +86,19 @@ class KVService:
                         TransferStatus.INVALID, "chunk of another request on this stream", rid
                     )
                 if header.HasField("commit"):
-                    self.rx.commit(rid, header.commit)
+                    self.rx.commit(rid, header.commit, attempt)
                     continue
-                self.rx.write(info_from_pb(header), payload)
-            status, final, detail = self.rx.end_stream(rid)
+                self.rx.write(info_from_pb(header), payload, attempt)
+            status, final, detail = self.rx.end_stream(rid, attempt)
             return make_ack(status, rid, detail, final)
         except KVTransferError as e:
             return make_ack(e.status, rid, e.detail)
         except Exception as e:  # the stream broke (sender cancelled or died): free what arrived
-            self.rx.fail(rid, TransferStatus.ABORTED, f"stream broken: {e!r}", attempt_of(context))
+            self.rx.fail(rid, TransferStatus.ABORTED, f"stream broken: {e!r}", attempt)
             return make_ack(TransferStatus.ABORTED, rid, "stream broken")
 
     def shm_transfer(self, chunks: Iterator, context: grpc.ServicerContext) -> Iterator[pb.SlotRelease]:
-        rid = request_id_of(context)
+        rid, attempt = request_id_of(context), attempt_of(context)
         try:
             for header, _ in chunks:
                 if header.HasField("commit"):
@@ -106,23 +106,23 @@ class KVService:
                         raise KVTransferError(
                             TransferStatus.INVALID, "commit of another request on this stream", rid
                         )
-                    self.rx.commit(rid, header.commit)
+                    self.rx.commit(rid, header.commit, attempt)
                     continue
                 buf = self._segment(header.shm_name, rid)
                 payload = buf[header.shm_offset : header.shm_offset + header.nbytes]
                 if header.request_id != rid or len(payload) != header.nbytes:
                     raise KVTransferError(TransferStatus.INVALID, "bad shared-memory chunk header", rid)
-                self.rx.write(info_from_pb(header), payload)
+                self.rx.write(info_from_pb(header), payload, attempt)
                 if header.release_slot:  # an in-place read needs no answer: one message less per chunk
                     yield pb.SlotRelease(shm_offset=header.shm_offset, shm_name=header.shm_name)
-            status, final, detail = self.rx.end_stream(rid)
+            status, final, detail = self.rx.end_stream(rid, attempt)
             yield pb.SlotRelease(ack=make_ack(status, rid, detail, final))
         except KVTransferError as e:
             # Its blocks come back at once (a no-op when already freed, or when a retry has replaced this attempt).
-            self.rx.fail(rid, e.status, e.detail, attempt_of(context))
+            self.rx.fail(rid, e.status, e.detail, attempt)
             yield pb.SlotRelease(ack=make_ack(e.status, rid, e.detail))
         except Exception as e:
-            self.rx.fail(rid, TransferStatus.ABORTED, f"stream broken: {e!r}", attempt_of(context))
+            self.rx.fail(rid, TransferStatus.ABORTED, f"stream broken: {e!r}", attempt)
 
     def _segment(self, name: str, rid: str) -> memoryview:
         """The sender's segment named in a chunk header; a name not of our pattern is never opened."""

@@ -123,9 +123,11 @@ class GrpcSession(SenderSession):
         return final or (TransferStatus.TRUNCATED, "no stream carried the final acknowledgement")
 
     def cancel(self) -> None:
+        # Cancel before closing: a closed request stream alone ends the call cleanly, which the receiver would
+        # read as this attempt's end rather than its abort.
         for stream, call in zip(self.streams, self.calls, strict=True):
-            stream.close()
             call.cancel()
+            stream.close()
 
 
 class ShmSession(SenderSession):
@@ -232,5 +234,5 @@ class ShmSession(SenderSession):
         return ACK_TO_STATUS[self.ack.status], self.ack.detail
 
     def cancel(self) -> None:
+        self.responses.cancel()  # before the close, for the same reason as GrpcSession.cancel
         self.stream.close()
-        self.responses.cancel()

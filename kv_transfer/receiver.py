@@ -145,7 +145,10 @@ class KVReceiver:
         return blocks[t // bs] * bs + t % bs  # [num_tokens] flat slot ids
 
     # -- chunks ----------------------------------------------------------------------------------
-    def _get(self, request_id: str) -> _Inbound:
+    def _get(self, request_id: str, attempt: int | None = None) -> _Inbound:
+        """The request's transfer in flight. With ``attempt``, only that attempt's: a stream of an attempt a retry
+        has replaced must not write into, commit or end the retry (its end can reach us after the retry's
+        handshake, and a cancelled stream may even end cleanly)."""
         with self.lock:
             inb = self._inbound.get(request_id)
             if inb is None:
@@ -153,12 +156,21 @@ class KVReceiver:
                     request_id, (TransferStatus.UNKNOWN, "no transfer in flight")
                 )
                 raise KVTransferError(status, detail, request_id)
+            if attempt is not None and inb.hs.attempt != attempt:
+                raise KVTransferError(
+                    TransferStatus.ABORTED,
+                    f"attempt {attempt} superseded by attempt {inb.hs.attempt}",
+                    request_id,
+                )
             return inb
 
-    def write(self, info: ChunkInfo, payload: memoryview | bytes | torch.Tensor) -> None:
+    def write(
+        self, info: ChunkInfo, payload: memoryview | bytes | torch.Tensor, attempt: int | None = None
+    ) -> None:
         """Verify one chunk and copy it into this request's blocks. Raises KVTransferError (and frees
-        the request's blocks) when the chunk is bad; the sender may retry with a new handshake."""
-        inb = self._get(info.request_id)
+        the request's blocks) when the chunk is bad; the sender may retry with a new handshake. With
+        ``attempt``, a chunk of another attempt than the one in flight is refused and changes nothing."""
+        inb = self._get(info.request_id, attempt)
         hs = inb.hs
         spec = self.cache.spec
         nblocks_src = -(-hs.num_tokens // hs.sender_block_size)
@@ -168,7 +180,7 @@ class KVReceiver:
         elif info.num_blocks <= 0 or info.first_block + info.num_blocks > nblocks_src:
             bad = f"chunk blocks {info.first_block}+{info.num_blocks} exceed {nblocks_src}"
         if bad:
-            self._close(info.request_id, TransferStatus.INVALID, bad)
+            self._close(info.request_id, TransferStatus.INVALID, bad, attempt)
             raise KVTransferError(TransferStatus.INVALID, bad, info.request_id)
         raw: memoryview | None = None
         # Bytes copied straight into host blocks are checksummed as they land (a slice at a time, still
@@ -178,11 +190,11 @@ class KVReceiver:
             src = payload.view(info.num_blocks, hs.sender_block_size, spec.num_kv_heads, spec.head_dim)
         else:
             if self.config.verify_checksums and not fused and crc32(payload) != info.crc32:
-                self._bad_checksum(info)
+                self._bad_checksum(info, attempt)
             try:
                 src = payload_tensor(spec, payload, info.num_blocks, hs.sender_block_size)
             except ValueError as e:
-                self._close(info.request_id, TransferStatus.TRUNCATED, str(e))
+                self._close(info.request_id, TransferStatus.TRUNCATED, str(e), attempt)
                 raise KVTransferError(TransferStatus.TRUNCATED, str(e), info.request_id) from None
             raw = memoryview(payload).cast("B")
         with inb.cond:
@@ -203,7 +215,7 @@ class KVReceiver:
                 inb.last_activity = time.monotonic()
                 inb.cond.notify_all()
         if crc is not None and crc != info.crc32:
-            self._bad_checksum(info)  # the blocks are freed, so what landed in them is never decoded
+            self._bad_checksum(info, attempt)  # the blocks are freed, so what landed in them is never decoded
 
     def _ended_error(self, request_id: str) -> KVTransferError:
         """The error of a transfer closed while this stream was writing: its real reason (a checksum failure on
@@ -216,9 +228,9 @@ class KVReceiver:
         """Whether a chunk is copied byte for byte into host blocks (no re-blocking, no device copy)."""
         return as_bytes and inb.slot_map is None and self.cache.data.device.type == "cpu"
 
-    def _bad_checksum(self, info: ChunkInfo) -> None:
+    def _bad_checksum(self, info: ChunkInfo, attempt: int | None = None) -> None:
         detail = f"chunk {info.seq} (layer {info.layer}) checksum mismatch"
-        self._close(info.request_id, TransferStatus.CHECKSUM, detail)
+        self._close(info.request_id, TransferStatus.CHECKSUM, detail, attempt)
         raise KVTransferError(TransferStatus.CHECKSUM, detail, info.request_id)
 
     def _copy_in(
@@ -268,17 +280,18 @@ class KVReceiver:
         self.cache.flat_slots(info.layer, info.kv).index_copy_(0, inb.slot_map[tok0:tok1], tokens)
         return None
 
-    def commit(self, request_id: str, payload: bytes) -> None:
+    def commit(self, request_id: str, payload: bytes, attempt: int | None = None) -> None:
         """The transfer's commit (its sender's last message): handed over with the KV once every stream ends."""
-        inb = self._get(request_id)
+        inb = self._get(request_id, attempt)
         with inb.cond:
             inb.commit = bytes(payload)
             inb.last_activity = time.monotonic()
 
-    def end_stream(self, request_id: str) -> tuple[TransferStatus, bool, str]:
+    def end_stream(self, request_id: str, attempt: int | None = None) -> tuple[TransferStatus, bool, str]:
         """One transfer stream ended. Returns (status, final, detail); final is False while other
-        parallel streams of the request are still running."""
-        inb = self._get(request_id)
+        parallel streams of the request are still running. With ``attempt``, a stream of a replaced attempt
+        is not counted (KVTransferError ABORTED)."""
+        inb = self._get(request_id, attempt)
         with inb.cond:
             inb.streams_done += 1
             if inb.streams_done < inb.hs.num_streams:
@@ -287,7 +300,7 @@ class KVReceiver:
             missing = inb.hs.num_chunks - len(inb.received)
         if missing:
             detail = f"{missing} of {inb.hs.num_chunks} chunks missing"
-            self._close(request_id, TransferStatus.TRUNCATED, detail)
+            self._close(request_id, TransferStatus.TRUNCATED, detail, attempt)
             return TransferStatus.TRUNCATED, True, detail
         with self.lock:
             if self._inbound.pop(request_id, None) is None:

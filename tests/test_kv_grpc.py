@@ -143,9 +143,9 @@ def test_sender_blocks_instead_of_buffering_when_the_receiver_stalls(monkeypatch
     gate = threading.Event()
     real_write = receiver.KVReceiver.write
 
-    def stalled_write(self, info, payload):
+    def stalled_write(self, info, payload, attempt=None):
         gate.wait(30)
-        return real_write(self, info, payload)
+        return real_write(self, info, payload, attempt)
 
     encoded = []
     real_encode = grpc_sessions.encode_chunk
@@ -194,10 +194,18 @@ def test_sender_blocks_instead_of_buffering_when_the_receiver_stalls(monkeypatch
         rx.close()
 
 
-def test_a_broken_stream_of_an_earlier_attempt_leaves_the_retry_alone() -> None:
+def _end_cleanly(session) -> None:
+    for stream in session.streams:  # the request streams end without a cancel: the receiver sees a clean end
+        stream.close()
+
+
+@pytest.mark.parametrize("end", ["cancelled", "ended cleanly"])
+def test_a_broken_stream_of_an_earlier_attempt_leaves_the_retry_alone(end: str) -> None:
     # A retry's handshake replaces the failed attempt on the receiver; the old attempt's streams are cancelled by
     # the sender and their end can reach the receiver after that handshake. It used to end the retry too (seen
-    # as "stream broken" on a retry after a checksum failure).
+    # as "stream broken" on a retry after a checksum failure). A cancelled stream can also reach the receiver as
+    # a clean end (its request stream closed before the cancel went out): that used to be counted as one of the
+    # retry's streams ending, which truncated the retry once the old attempt's streams had all ended.
     from kv_transfer.types import Handshake
 
     rx = LocalEndpoint("grpc", SPEC, 64, TransferConfig(**BASE))
@@ -220,7 +228,11 @@ def test_a_broken_stream_of_an_earlier_attempt_leaves_the_retry_alone() -> None:
         assert first.status is TransferStatus.OK and old is not None
         second, new = tx._connect(rx.address, handshake(2))
         assert second.status is TransferStatus.OK and new is not None
-        old.cancel()  # the first attempt's streams break on the receiver now, after the retry's handshake
+        # The first attempt's streams end on the receiver now, after the retry's handshake.
+        if end == "cancelled":
+            old.cancel()
+        else:
+            _end_cleanly(old)
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:  # give the receiver time to see the broken streams
             time.sleep(0.05)

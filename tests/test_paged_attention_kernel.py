@@ -43,7 +43,13 @@ class Case:
 
 
 def make_case(
-    seqs: list[tuple[int, int]], kvh: int, bs: int, dtype: torch.dtype, seed: int = 0, spare: int = 5
+    seqs: list[tuple[int, int]],
+    kvh: int,
+    bs: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    spare: int = 5,
+    head_dim: int = D,
 ) -> Case:
     """seqs: (q_len, seq_len) per sequence. Blocks get shuffled ids, with ``spare`` unreferenced ones."""
     g = torch.Generator().manual_seed(seed)
@@ -62,13 +68,13 @@ def make_case(
     for q, _ in seqs:
         starts.append(starts[-1] + q)
     return Case(
-        q=torch.randn(t, H, D, generator=g).to(dtype),
-        k_cache=torch.randn(nb, bs, kvh, D, generator=g).to(dtype),
-        v_cache=torch.randn(nb, bs, kvh, D, generator=g).to(dtype),
+        q=torch.randn(t, H, head_dim, generator=g).to(dtype),
+        k_cache=torch.randn(nb, bs, kvh, head_dim, generator=g).to(dtype),
+        v_cache=torch.randn(nb, bs, kvh, head_dim, generator=g).to(dtype),
         block_table=table,
         seq_lens=torch.tensor([s for _, s in seqs], dtype=torch.int32),
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        scale=1.0 / math.sqrt(D),
+        scale=1.0 / math.sqrt(head_dim),
     )
 
 
@@ -148,6 +154,16 @@ KINDS = {
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_fp32_matches_dense(kind: str, kvh: int, bs: int, impl: str, request: pytest.FixtureRequest) -> None:
     _check(_impl(impl, request), make_case(KINDS[kind], kvh, bs, torch.float32, seed=bs + kvh))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 80, 128])
+@pytest.mark.parametrize("kvh", [8, 4, 2])
+def test_kernel_decodes_other_head_dims(kernel, head_dim: int, kvh: int, dtype: torch.dtype) -> None:
+    # Decodes take a fixed-shape path for head dims of whole vectors (32 and 128 on AVX-512, with 1, 2 and 4
+    # query heads per KV head), and the general one otherwise (80): both against the dense reference.
+    for kind in ("decode8", "mixed"):
+        _check(kernel, make_case(KINDS[kind], kvh, 16, dtype, seed=head_dim, head_dim=head_dim))
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -14,7 +14,9 @@
 // - K/V rows are read in place through the block table (no gather copy); keys go in chunks of >= 128
 //   slots with an online softmax (running max, sum and accumulator per row).
 // - Few rows (decodes, short chunks: memory-bound): an item takes several KV heads and walks each chunk
-//   in memory order, whole token rows, with 4-slot dots and AXPYs. Many rows (prefill tiles of ~128 rows:
+//   in memory order, whole token rows, with 4-slot dots and AXPYs; for 1, 2 or 4 rows per KV head and a
+//   head dim of 2, 4 or 8 vectors, a fixed-shape variant with K rows shared across the rows and the
+//   V accumulator in registers. Many rows (prefill tiles of ~128 rows:
 //   compute-bound): S^T = K Q^T and P V are register-blocked mini GEMMs, the softmax vectorised over rows.
 // - bf16 K/V/Q are widened to fp32 in per-thread scratch: compute is always fp32.
 // - Threads pull work items from an atomic counter, longest first: causal tiles differ a lot in cost.
@@ -226,6 +228,90 @@ struct Item {
     }
   }
 
+  // run_streaming for M rows per KV head of NV whole vectors (a decode's query heads; the common head dims):
+  // the same two passes per chunk, with each K row loaded once for all M rows and the V pass accumulating in
+  // registers over the whole chunk, one head at a time. About 40% fewer instructions per byte than the
+  // general path; from DRAM, 8 decodes at context 512 over 8 layers went from 2.5-2.6 to 1.75-2.3 ms on the
+  // 2-core AVX-512 host. No software prefetch here: with this lean loop the hardware prefetchers keep up
+  // (the prefetching variant measured equal or slower, 1.86-2.30 ms).
+  template <int M, int NV>
+  void run_streaming_fixed() {
+    const int64_t nh = heads(), D = g.D;
+    const int64_t ch = chunk_slots(g.BS), np = round_up(ch, VS);
+    const int64_t kv_end = ctx_start + w.q_end;
+    float* S = sc.s.get();  // [heads][M][np]; a 4-slot group writes all 4 scores: np is a multiple of 4
+    for (int64_t p0 = 0; p0 < kv_end; p0 += ch) {
+      const int64_t n = std::min(ch, kv_end - p0);
+      locate(p0, n);
+      for (int64_t s = 0; s < n; s += 4) {
+        const int64_t k = std::min<int64_t>(4, n - s);
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          Vec kv[4][NV];
+          for (int j = 0; j < 4; ++j) {
+            const float* kr = row(kc + sc.koff[s + std::min<int64_t>(j, k - 1)] + (w.head_begin + hh) * g.k_h,
+                                  sc.kf.get() + j * D, D);
+            for (int v = 0; v < NV; ++v) kv[j][v] = Vec::loadu(kr + v * VS);
+          }
+          for (int r = 0; r < M; ++r) {
+            const float* qr = sc.q.get() + (hh * M + r) * D;
+            Vec acc[4];
+            const Vec q0 = Vec::loadu(qr);
+            for (int j = 0; j < 4; ++j) acc[j] = q0 * kv[j][0];
+            for (int v = 1; v < NV; ++v) {
+              const Vec qv = Vec::loadu(qr + v * VS);
+              for (int j = 0; j < 4; ++j) acc[j] = at::vec::fmadd(qv, kv[j][v], acc[j]);
+            }
+            hsum4(acc, S + (hh * M + r) * np + s);  // slots past n: overwritten by the softmax's mask
+          }
+        }
+      }
+      for (int64_t hh = 0; hh < nh; ++hh)
+        softmax_chunk(S + hh * M * np, np, sc.acc.get() + hh * M * D, sc.m.get() + hh * M, sc.l.get() + hh * M,
+                      M, D, n, ctx_start + w.q_begin, g.G, p0);
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        Vec a[M][NV];
+        const float* P[M];
+        for (int r = 0; r < M; ++r) {
+          P[r] = S + (hh * M + r) * np;
+          for (int v = 0; v < NV; ++v) a[r][v] = Vec::loadu(sc.acc.get() + (hh * M + r) * D + v * VS);
+        }
+        for (int64_t s = 0; s < n; ++s) {
+          const float* vr = row(vc + sc.voff[s] + (w.head_begin + hh) * g.v_h, sc.vf.get(), D);
+          Vec vv[NV];
+          for (int v = 0; v < NV; ++v) vv[v] = Vec::loadu(vr + v * VS);
+          for (int r = 0; r < M; ++r) {
+            const Vec p(P[r][s]);
+            for (int v = 0; v < NV; ++v) a[r][v] = at::vec::fmadd(p, vv[v], a[r][v]);
+          }
+        }
+        for (int r = 0; r < M; ++r)
+          for (int v = 0; v < NV; ++v) a[r][v].store(sc.acc.get() + (hh * M + r) * D + v * VS);
+      }
+    }
+  }
+
+  template <int M>
+  bool streaming_fixed_nv() {
+    switch (g.D % VS == 0 ? g.D / VS : 0) {
+      case 2: run_streaming_fixed<M, 2>(); return true;
+      case 4: run_streaming_fixed<M, 4>(); return true;
+      case 8: run_streaming_fixed<M, 8>(); return true;
+      default: return false;
+    }
+  }
+
+  // The fixed-shape path where one is compiled for this item's rows and head dim, else the general one.
+  void run_streaming_any() {
+    bool done = false;
+    switch (rows()) {
+      case 1: done = streaming_fixed_nv<1>(); break;
+      case 2: done = streaming_fixed_nv<2>(); break;
+      case 4: done = streaming_fixed_nv<4>(); break;
+      default: break;
+    }
+    if (!done) run_streaming();
+  }
+
   // Many rows (prefill tiles): compute-bound. Per KV head, S^T = K Q^T and acc += P V are register-blocked
   // mini GEMMs reading K/V rows in place (Q^T is built once per tile); later tiles re-read K/V from cache.
   void run_tiled() {
@@ -299,7 +385,7 @@ void run_all(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
       Item<QT, KT> it{g, w, qp, op, kp, vp, table + w.seq * g.W, seq_lens[w.seq] - ql, qsl[w.seq], sc};
       it.begin();
       if (it.rows() < kGemmRowsMin)
-        it.run_streaming();
+        it.run_streaming_any();
       else
         it.run_tiled();
       it.finish();

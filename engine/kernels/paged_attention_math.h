@@ -94,6 +94,20 @@ inline void small_gemm(const float* const* A, int64_t acs, const float* const* B
   }
 }
 
+// out[j] = the sum of acc[j]'s lanes, for 4 vectors.
+inline void hsum4(const Vec* acc, float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // Four horizontal sums at once: interleave pairs, then add the four 128-bit lanes.
+  const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(acc[0], acc[1]), _mm512_unpackhi_ps(acc[0], acc[1]));
+  const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(acc[2], acc[3]), _mm512_unpackhi_ps(acc[2], acc[3]));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x01, x23, 0x44), _mm512_shuffle_ps(x01, x23, 0xEE));
+  const __m256 t = _mm256_add_ps(_mm512_castps512_ps256(y), _mm512_extractf32x8_ps(y, 1));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+#else
+  for (int j = 0; j < 4; ++j) out[j] = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, acc[j]);
+#endif
+}
+
 // out[j] = a . b[j] for 4 rows b[j] of n floats.
 inline void dot4(const float* a, const float* const* b, int64_t n, float* out) {
   Vec acc[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
@@ -106,16 +120,7 @@ inline void dot4(const float* a, const float* const* b, int64_t n, float* out) {
     const Vec va = Vec::loadu(a + d, n - d);
     for (int j = 0; j < 4; ++j) acc[j] = at::vec::fmadd(va, Vec::loadu(b[j] + d, n - d), acc[j]);
   }
-#if defined(CPU_CAPABILITY_AVX512)
-  // Four horizontal sums at once: interleave pairs, then add the four 128-bit lanes.
-  const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(acc[0], acc[1]), _mm512_unpackhi_ps(acc[0], acc[1]));
-  const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(acc[2], acc[3]), _mm512_unpackhi_ps(acc[2], acc[3]));
-  const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x01, x23, 0x44), _mm512_shuffle_ps(x01, x23, 0xEE));
-  const __m256 t = _mm256_add_ps(_mm512_castps512_ps256(y), _mm512_extractf32x8_ps(y, 1));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-#else
-  for (int j = 0; j < 4; ++j) out[j] = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, acc[j]);
-#endif
+  hsum4(acc, out);
 }
 
 // acc[0..n) += sum_j p[j] * v[j][0..n) over 4 rows v[j].

@@ -50,8 +50,9 @@ class ClusterConfig:
     colocated_workers: int = 1
     kv_transport: str = "grpc"
     transfer: TransferConfig = field(default_factory=TransferConfig)
-    # Prefill workers send each layer's KV as soon as it is computed (False: each request's KV after its batch).
-    stream_kv_layers: bool = True
+    # Prefill workers send each layer's KV as soon as it is computed (False: each request's KV after its batch;
+    # None: each prefill worker decides, see worker.config.layer_streaming).
+    stream_kv_layers: bool | None = None
     # Chaos drills and fault tests only: damage done to the prefill workers' outgoing KV chunks (None: none).
     kv_faults: FaultInjector | None = None
     monitor: MonitorConfig = field(default_factory=MonitorConfig)

@@ -25,7 +25,7 @@ from kv_transfer.streaming import LayerStreamer
 from monitor import stages
 from monitor.records import BatchRecord
 from worker.actor import EngineWorker
-from worker.config import WorkerConfig
+from worker.config import WorkerConfig, layer_streaming
 from worker.info import DecodePeer
 from worker.messages import MessageRef, PrefilledMessage, RequestMessage
 
@@ -52,6 +52,14 @@ class PrefillWorker(EngineWorker):
         # Every batch held here, queued or in progress, until its batch_done: what a restarted controller adopts.
         self._held: dict[int, list[tuple[RequestMessage, str]]] = {}
         self._streamed = 0  # transfers that went layer by layer during their prefill and were acknowledged
+        self._stream_layers = layer_streaming(
+            config.stream_kv_layers, self.engine.device.name, config.num_threads
+        )
+        logger.info(
+            "%s sends KV %s",
+            config.worker_id,
+            "layer by layer during each prefill" if self._stream_layers else "after each prefill batch",
+        )
         self._peers: dict[str, DecodePeer] = {}  # by decode worker id
         self._tombstones: dict[str, float] = {}
         self._senders = ThreadPoolExecutor(config.num_senders, thread_name_prefix="kv-send")
@@ -110,6 +118,7 @@ class PrefillWorker(EngineWorker):
             "queued_batches": queued,
             "in_progress": self._in_progress,
             "streamed_transfers": self._streamed,
+            "kv_layer_streaming": self._stream_layers,
             "transport": self.transport.stats(),
         }
 
@@ -132,7 +141,7 @@ class PrefillWorker(EngineWorker):
                 batch_id, items, dispatched_at = self._queue.popleft()
                 self._in_progress += 1
                 items = [(m, d) for m, d in items if m.request_id not in self._tombstones]
-            streamer = LayerStreamer(self.transport) if self.config.stream_kv_layers else None
+            streamer = LayerStreamer(self.transport) if self._stream_layers else None
             try:
                 sends = self._run(items, streamer, dispatched_at)
             except Exception as e:

@@ -32,6 +32,9 @@ def cluster_config(mode: str, name: str, shape_policy: str = "auto", **kw) -> Cl
         name=name,
         namespace=kw.pop("namespace", "bucketserve-tests"),
         worker_num_cpus=0.5,
+        # Layer by layer unless a test says otherwise: the suites were written against the streamed hand-off, and
+        # auto would turn it off for these one-thread CPU workers (test_cluster_backend covers auto and off).
+        stream_kv_layers=kw.pop("stream_kv_layers", True),
         **kw,
     )
 

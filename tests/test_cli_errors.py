@@ -78,6 +78,11 @@ def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
         (["--kv-auth-token", "two words"], "error: --kv-auth-token must be printable ASCII without spaces"),
         (["--kv-auth-token", ""], "error: --kv-auth-token must be a non-empty string when set"),
         (["--direct-ingress", "yes"], "argument --direct-ingress: invalid choice: 'yes'"),
+        (["--kv-stream-layers", "yes"], "argument --kv-stream-layers: invalid choice: 'yes'"),
+        (
+            ["--kv-stream-layers", "on", "--no-kv-stream-layers"],
+            "error: --no-kv-stream-layers contradicts --kv-stream-layers on: give one",
+        ),
         (
             ["--direct-ingress", "on", "--gateway-replicas", "2"],
             "error: --direct-ingress on serves one gateway replica on --port, got --gateway-replicas 2",

@@ -64,8 +64,9 @@ def test_greedy_matches_hf_for_16_concurrent_mixed_requests(backends, mode, poli
     stats = asyncio.run(wait_idle(backend))
     assert_no_leaks(stats)
     assert {s["shape_policy"] for s in stats.values()} == {policy}
-    if mode == "disaggregated":  # the KV went layer by layer while each prefill ran (the default)
+    if mode == "disaggregated":  # the KV went layer by layer while each prefill ran (on in these clusters)
         assert sum(s.get("streamed_transfers", 0) for s in stats.values()) > 0, stats
+        assert [s["kv_layer_streaming"] for s in stats.values() if "kv_layer_streaming" in s] == [True], stats
     # Every accepted request reached the monitor as an arrival (the controller sizes batches from these).
     summary = ray.get(backend.handles.monitor.summary.remote())
     assert summary["arrival_rate_rps"] > 0 and summary["mean_prompt_tokens"] is not None
@@ -209,9 +210,12 @@ def test_health_reports_every_worker_up_and_warmed(backends):
         assert "bucketserve" in asyncio.run(backend.metrics_text())
 
 
-def test_kv_sent_after_the_batch_when_layer_streaming_is_off(ray_session, hf_reference):
-    # The unstreamed hand-off (--no-kv-stream-layers): same exact answers, no streamed transfer, no leak.
-    backend = RayClusterBackend(cluster_config("disaggregated", "t-nostream", stream_kv_layers=False))
+@pytest.mark.parametrize("setting", [False, None])
+def test_kv_sent_after_the_batch_when_layer_streaming_is_off(ray_session, hf_reference, setting):
+    # The unstreamed hand-off (--kv-stream-layers off, and auto on these one-thread CPU workers): same exact
+    # answers, no streamed transfer, no leak.
+    name = "t-nostream" if setting is False else "t-autostream"
+    backend = RayClusterBackend(cluster_config("disaggregated", name, stream_kv_layers=setting))
     try:
         rng = random.Random(11)
         reqs = [make_request(f"ns{i}", rng.randint(3, 150), rng.randint(2, 12), seed=4) for i in range(6)]
@@ -227,6 +231,9 @@ def test_kv_sent_after_the_batch_when_layer_streaming_is_off(ray_session, hf_ref
         stats = asyncio.run(wait_idle(backend))
         assert_no_leaks(stats)
         assert sum(s.get("streamed_transfers", 0) for s in stats.values()) == 0
+        assert [s["kv_layer_streaming"] for s in stats.values() if "kv_layer_streaming" in s] == [False], (
+            stats
+        )
     finally:
         asyncio.run(backend.shutdown())
 

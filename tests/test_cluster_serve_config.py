@@ -90,7 +90,10 @@ def test_aliases_and_switches_as_config_keys(tmp_path):
     args = settings(["--config", f])
     assert args.prefix_caching is True and args.no_kv_stream_layers is True
     assert cluster_config_from_args(args).stream_kv_layers is False
-    assert cluster_config_from_args(parse([])).stream_kv_layers is True
+    assert cluster_config_from_args(parse([])).stream_kv_layers is None  # auto: each prefill worker decides
+    on = settings(["--config", config_file(tmp_path, {"kv-stream-layers": "on"})])
+    assert cluster_config_from_args(on).stream_kv_layers is True
+    assert cluster_config_from_args(parse(["--kv-stream-layers", "off"])).stream_kv_layers is False
     assert (
         settings(["--prefix-caching"]).prefix_caching is settings(["--enable-prefix-caching"]).prefix_caching
     )

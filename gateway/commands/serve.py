@@ -105,10 +105,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="how prefill workers send KV to decode workers (shm: same node only)",
     )
     p.add_argument(
-        "--no-kv-stream-layers",
-        action="store_true",
-        help="send each request's KV after its prefill batch instead of layer by layer during it",
+        "--kv-stream-layers",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="prefill workers send each layer's KV during the forward pass (on) or each request's KV after its "
+        "batch (off); auto: off for a CPU prefill worker of one thread, whose one core would both compute and "
+        "send, on otherwise (default: auto)",
     )
+    p.add_argument("--no-kv-stream-layers", action="store_true", help="the same as --kv-stream-layers off")
     add_kv_security_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP gateway listens on")
     p.add_argument("--port", type=port_number, default=8000, help="port the HTTP gateway listens on")
@@ -282,6 +286,15 @@ def resolve_settings(args: argparse.Namespace, argv: list[str] | None) -> argpar
     return argparse.Namespace(**extra, **merged)
 
 
+def _layer_streaming(args: argparse.Namespace) -> bool | None:
+    """--kv-stream-layers as the cluster config's setting (None: auto, each prefill worker decides)."""
+    if args.no_kv_stream_layers:
+        if args.kv_stream_layers == "on":
+            raise ValueError("--no-kv-stream-layers contradicts --kv-stream-layers on: give one")
+        return False
+    return {"auto": None, "on": True, "off": False}[args.kv_stream_layers]
+
+
 def cluster_config_from_args(args: argparse.Namespace, detached: bool = False, quiet: bool = True):
     from bucket_manager.priority import PriorityPolicy
     from engine.config import config_from_args
@@ -306,7 +319,7 @@ def cluster_config_from_args(args: argparse.Namespace, detached: bool = False, q
         colocated_workers=args.colocated_workers,
         kv_transport=args.kv_transport,
         transfer=transfer_config_from_args(args),
-        stream_kv_layers=not args.no_kv_stream_layers,
+        stream_kv_layers=_layer_streaming(args),
         monitor=MonitorConfig.for_url(args.redis_url),
         ray_address=args.address,
         name=args.name,

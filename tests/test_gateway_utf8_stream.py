@@ -165,6 +165,37 @@ def test_sse_chat_stream_equals_whole_text(url: str, hf_tokenizer: Any, content:
     check_stream(hf_tokenizer, pieces, streamed_n, whole, n, ids)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_held_back_tokens_still_stream_a_chunk(url: str, hf_tokenizer: Any, path: str) -> None:
+    # A token whose bytes are not yet a whole character adds no text, but the stream still gets a chunk for it
+    # (text ""), as each token does: a client sees its first token when it comes, not when the output first
+    # decodes (a random-weight model's run of lone bytes used to stream nothing until its end).
+    with httpx.Client(base_url=url, timeout=60) as c:
+        if path == "/v1/completions":
+            body = completion_body(*COMPLETION_CASES[0])
+            _, ids, _ = whole_completion(c, body)
+        else:
+            body = chat_body(CHAT_CASES[0])
+            _, ids = chat_token_ids(c, hf_tokenizer, CHAT_CASES[0])
+        held = held_positions(hf_tokenizer, ids)
+        assert held, "the case holds nothing back"
+        body = {**body, "stream": True}
+        with c.stream("POST", path, json=body) as r:
+            assert r.status_code == 200, r.read()
+            events = sse_events(r.iter_lines())
+    chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    if path == "/v1/completions":
+        pieces = [(ch["text"], ch["finish_reason"]) for ch in chunks]
+    else:
+        chunks = chunks[1:]  # the opening chunk carries the role
+        pieces = [(ch["delta"].get("content"), ch["finish_reason"]) for ch in chunks]
+    empty = [p for p in pieces if p == ("", None)]
+    assert empty, f"no chunk for a held-back token: {pieces!r}"
+    # One chunk per token here (the local engine hands over each step's token on its own), plus at most a
+    # closing one.
+    assert len(ids) <= len(pieces) <= len(ids) + 1, (len(ids), pieces)
+
+
 # --------------------------------------------------------------------------- the OpenAI client
 
 

@@ -58,6 +58,13 @@ class Event:
     logprobs: list[float]
     finish_reason: str | None = None
 
+    @property
+    def streams(self) -> bool:
+        """Whether a stream sends a chunk for it: every step that produced tokens does, its text empty while the
+        detokenizer holds it back (an incomplete UTF-8 character, a possible stop string), so a client sees the
+        first token when it comes and the stream's progress, even through output that only decodes at its end."""
+        return bool(self.text or self.finish_reason or self.token_ids)
+
 
 @dataclass
 class Generation:

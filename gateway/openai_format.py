@@ -120,10 +120,7 @@ class OpenAIFormat:
                 lp = self.completion_logprobs(g, body, [], [], echo=True) if want_lp else None
                 yield chunk(i, prefix, lp, None)
         async for i, ev in merged(gens):
-            # Every step that produced tokens gets a chunk, its text empty while the detokenizer holds it back (an
-            # incomplete UTF-8 character, a possible stop string): a client sees the first token when it comes
-            # and the stream's progress, even through output that only decodes at its end.
-            if not (ev.text or ev.finish_reason or ev.token_ids):
+            if not ev.streams:
                 continue
             lp = None
             if want_lp:
@@ -186,7 +183,7 @@ class OpenAIFormat:
 
         yield chunk(ChatDelta(role="assistant", content=""), None)
         async for _, ev in merged([g]):
-            if not (ev.text or ev.finish_reason or ev.token_ids):  # a chunk per step, as in completion_chunks
+            if not ev.streams:
                 continue
             lp = self.chat_logprobs(ev.token_ids, ev.logprobs) if body.logprobs else None
             delta = ChatDelta(content=ev.text) if ev.text or ev.token_ids else ChatDelta()

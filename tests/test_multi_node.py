@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -128,6 +129,9 @@ def test_prefill_and_decode_on_two_nodes_kv_over_the_network(tmp_path: Path, hf_
         assert set(kv) == {"grpc+tls"}, kv
         serve.stop(grace_s=30)
         serve = None
+        # Serve on a cluster it joined is shut down with it: its proxy does not keep holding the port.
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", http_port), timeout=5).close()
 
         # Resources no node offers: refused before any worker starts, naming the key and what the nodes offer.
         bad = [str(BIN / "bucketserve"), "serve", "--model", "tiny", "--address", address]
@@ -142,6 +146,7 @@ def test_prefill_and_decode_on_two_nodes_kv_over_the_network(tmp_path: Path, hf_
         refused = subprocess.run(bad, env=env, capture_output=True, text=True, timeout=180)
         err = refused.stderr[-3000:]
         assert refused.returncode == 1, err
+        assert "differs from the existing one" not in err, err  # a fresh Serve, on this --port
         assert "no node of the Ray cluster offers prefill_resources {'gaudi_node': 1.0}" in err, err
         assert "prefill_node 1" in err and "decode_node 1" in err, err
     finally:

@@ -580,7 +580,11 @@ class _StartUpSignals:
             raise KeyboardInterrupt
 
     def interrupted(
-        self, handles=None, gateway: threading.Thread | None = None, ray_started: bool = True
+        self,
+        handles=None,
+        gateway: threading.Thread | None = None,
+        ray_started: bool = True,
+        joined_cluster: bool = False,
     ) -> int:
         """Undo what started; the exit code a shell gives a process ended by the signal (130, 143)."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second signal must not interrupt the clean-up
@@ -594,8 +598,22 @@ class _StartUpSignals:
             # Its Serve calls end before Ray goes: one made after ray.shutdown() would start a new Ray here.
             gateway.join(timeout=60)
         if ray_started:
-            _shutdown(handles, drain=False)
+            _shutdown(handles, drain=False, joined_cluster=joined_cluster)
         return 128 + self.received
+
+
+def _release_serve_if_unused() -> None:
+    """On a Ray cluster this process joined (``--address``), Serve (controller and proxies) outlives it: left
+    running, its proxy keeps holding --port, and a later serve on the same cluster with another --port would get
+    the old one (Serve ignores new HTTP options while it runs). Shut it down when no other application uses it
+    (ours may still be listed while a non-blocking delete runs); a cluster started here goes down with Ray."""
+    from ray import serve
+
+    others = sorted(set(serve.status().applications) - {"bucketserve"})
+    if others:
+        logger.info("Ray Serve keeps running for other applications: %s", ", ".join(others))
+        return
+    serve.shutdown()
 
 
 def _wait_for_gateway(name: str, timeout_s: float) -> None:
@@ -640,6 +658,7 @@ def run(args: argparse.Namespace) -> int:
         return start_up.interrupted(ray_started=False)
     handles = None
     gateway: threading.Thread | None = None
+    joined_cluster = config.ray_address is not None
     stop = threading.Event()
     force = threading.Event()
 
@@ -709,15 +728,19 @@ def run(args: argparse.Namespace) -> int:
         # The first SIGTERM or Ctrl-C from here on drains the gateway, a second one stops at once.
         start_up.hand_over(on_signal)
     except KeyboardInterrupt:
-        return start_up.interrupted(handles, gateway)
+        return start_up.interrupted(handles, gateway, joined_cluster=joined_cluster)
     except Exception as e:
         if start_up.pending:  # a failure the signal caused (a wait or an import it cut short)
-            return start_up.interrupted(handles, gateway)
+            return start_up.interrupted(handles, gateway, joined_cluster=joined_cluster)
         logger.debug("start-up failed", exc_info=True)
         print(f"error: start-up failed: {_one_line(e)}", file=sys.stderr, flush=True)
         if not debug:
             print("  (--log-level DEBUG shows the full traceback)", file=sys.stderr, flush=True)
-        _shutdown(handles, drain=False)
+        if gateway is not None:
+            # Its Serve calls end before Ray goes: a thread still inside Ray's client when the interpreter exits
+            # is torn down mid-call, and the process aborts ("exception not rethrown") instead of exiting 1.
+            gateway.join(timeout=60)
+        _shutdown(handles, drain=False, joined_cluster=joined_cluster)
         return 1
     try:
         for line in _banner(handles, args, time.perf_counter() - t0):
@@ -735,12 +758,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"drain failed ({_one_line(e)}); stopping anyway", flush=True)
     finally:
         print("stopping...", flush=True)
-        _shutdown(handles, drain=not force.is_set())
+        _shutdown(handles, drain=not force.is_set(), joined_cluster=joined_cluster)
         print("stopped.", flush=True)
     return 0
 
 
-def _shutdown(handles, drain: bool = True) -> None:
+def _shutdown(handles, drain: bool = True, joined_cluster: bool = False) -> None:
     """Gateway first (open streams end; ``drain=False``: do not wait for it, a replica may still be starting),
     then the cluster's actors, then Ray."""
     import ray
@@ -753,6 +776,8 @@ def _shutdown(handles, drain: bool = True) -> None:
             # Deleting the app drains its replicas; serve.shutdown() would also kill Serve's controller
             # while its own graceful-shutdown task runs, which Ray reports as a failed task.
             serve.delete("bucketserve", _blocking=drain)
+            if joined_cluster:
+                _release_serve_if_unused()
     except Exception as e:  # not deployed yet, or Ray already going down
         logger.debug("serve delete: %s", e)
     try:

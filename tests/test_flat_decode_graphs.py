@@ -8,12 +8,14 @@ the choice of shape are all exercised, with the accelerators' attention operator
 
 from __future__ import annotations
 
+import pytest
 import torch
 from engine_helpers import TEST_DEVICE, random_prompts, small_config
 
 from engine.device.cpu import CpuDevice
 from engine.flat_runner import FlatRunner
 from engine.graph_shapes import graph_ladder
+from engine.kernels.paged_attention_blocks import make_paged_attention_blocks
 from engine.kernels.paged_attention_gather import paged_attention_gather
 from engine.llm_engine import LLMEngine
 from engine.request import Request, SamplingParams
@@ -48,10 +50,17 @@ def test_graph_ladder() -> None:
     assert graph_ladder(3, smallest=4) == [3]
 
 
-def _engine_with_graphs(batches, widths, compiled: bool = False) -> tuple[LLMEngine, object]:
+# The graph-safe operators: the accelerators' gather, and the HPU's flat block layout (whose block-to-sequence
+# matmuls must keep a padding row's garbage out of the real rows).
+GRAPH_OPERATORS = {"gather": paged_attention_gather, "blocks": make_paged_attention_blocks()}
+
+
+def _engine_with_graphs(
+    batches, widths, compiled: bool = False, operator: str = "gather"
+) -> tuple[LLMEngine, object]:
     engine = LLMEngine(small_config(shape_policy="flat"))
     if TEST_DEVICE == "cpu":
-        device, attend = ReplayingCpu(), paged_attention_gather
+        device, attend = ReplayingCpu(), GRAPH_OPERATORS[operator]
     else:  # the engine's own device and operator: real graphs
         device, attend = engine.device, engine.device.paged_attention()
     engine.runner = FlatRunner(
@@ -68,8 +77,9 @@ def _engine_with_graphs(batches, widths, compiled: bool = False) -> tuple[LLMEng
     return engine, device
 
 
-def test_decode_steps_replay_padded_graphs_and_match_hf(hf_reference) -> None:
-    engine, device = _engine_with_graphs([1, 2, 4], [2, 4, 8])
+@pytest.mark.parametrize("operator", list(GRAPH_OPERATORS))
+def test_decode_steps_replay_padded_graphs_and_match_hf(hf_reference, operator: str) -> None:
+    engine, device = _engine_with_graphs([1, 2, 4], [2, 4, 8], operator=operator)
     assert sorted(engine.runner._graphs) == sorted((b, w) for b in (1, 2, 4) for w in (2, 4, 8))
     if isinstance(device, ReplayingCpu):
         assert device.captured == 9

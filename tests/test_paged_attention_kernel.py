@@ -13,6 +13,7 @@ import torch
 
 from engine import kernels
 from engine.kernels import build
+from engine.kernels.paged_attention_blocks import fused_sdpa_adapter, make_paged_attention_blocks
 from engine.kernels.paged_attention_gather import paged_attention_gather
 from engine.kernels.paged_attention_ref import paged_attention_ref
 
@@ -106,14 +107,30 @@ def kernel():
     return op
 
 
-# fallback: the pure-torch CPU operator; gather: the accelerators' operator (graph-safe on decode steps), run here
-# on the CPU, where its arithmetic is the same.
-IMPLS = ["kernel", "fallback", "gather"]
+def fused_sdpa_stand_in(
+    q, k, v, attn_mask, dropout_p, is_causal, scale, softmax_mode, recompute, valid_len, side
+):
+    """Gaudi's ``FusedSDPA.apply`` argument for argument, computed by torch: what the HPU operator's adapter must
+    call it with (no dropout, no causal flag, exact softmax, as many K/V heads as query heads)."""
+    assert (dropout_p, is_causal, softmax_mode, recompute, valid_len) == (0.0, False, "None", False, None)
+    assert k.shape[1] == v.shape[1] == q.shape[1], "FusedSDPA is given repeated K/V heads"
+    assert attn_mask.dim() == 4 and attn_mask.dtype == q.dtype
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+
+
+# fallback: the pure-torch CPU operator; gather: the accelerators' operator (graph-safe on decode steps); blocks:
+# the HPU's operator (flat block layout), with torch's SDPA and with the adapter it gives Gaudi's fused SDPA. All
+# run here on the CPU, where their arithmetic is the same.
+IMPLS = ["kernel", "fallback", "gather", "blocks", "blocks_fused"]
 
 
 def _impl(name: str, request: pytest.FixtureRequest):
     if name == "kernel":
         return request.getfixturevalue("kernel")
+    if name == "blocks":
+        return make_paged_attention_blocks()
+    if name == "blocks_fused":
+        return make_paged_attention_blocks(fused_sdpa_adapter(fused_sdpa_stand_in))
     return paged_attention_gather if name == "gather" else paged_attention_ref
 
 
@@ -279,3 +296,16 @@ def test_bench_writes_json_and_markdown(tmp_path: Path) -> None:
     assert impls == {(c, i) for c in ("decode-b8-ctx512", "prefill-8x256") for i in expected}
     assert all(r["ms"] > 0 and r["x_floor"] > 0 and r["gflops"] > 0 for r in result["rows"])
     assert "| decode-b8-ctx512 | 16 | 1 |" in (tmp_path / "pa.md").read_text()
+
+
+def test_blocks_keep_an_empty_padding_row_out_of_the_others() -> None:
+    """The block layout sums blocks back into sequences by matmul: a padding row with no cached token (every slot
+    masked) must not put a NaN (0 * NaN) into the real rows."""
+    c = make_case(KINDS["decode8"], 4, 16, torch.float32, seed=6)
+    ref = dense_reference(c)
+    c.q = torch.cat([c.q, torch.randn(1, H, D)])
+    c.block_table = torch.cat([c.block_table, torch.zeros(1, c.block_table.shape[1], dtype=torch.int32)])
+    c.seq_lens = torch.cat([c.seq_lens, torch.zeros(1, dtype=torch.int32)])
+    c.query_start_loc = torch.cat([c.query_start_loc, c.query_start_loc[-1:] + 1])
+    out = _run(make_paged_attention_blocks(), c)
+    torch.testing.assert_close(out[:-1].double(), ref, atol=2e-5, rtol=1e-5)

@@ -6,6 +6,8 @@ all HPU-specific calls of the project live here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import habana_frameworks.torch as htorch  # noqa: F401 - registers the 'hpu' device with torch
 import habana_frameworks.torch.core as htcore
 import torch
@@ -41,6 +43,16 @@ class HpuDevice(Device):
 
     def peak_memory(self) -> int:
         return htorch.hpu.max_memory_allocated()
+
+    def paged_attention(self) -> Callable[..., None]:
+        """The flat-token operator (``--shape-policy flat``) in the flat block layout: decode steps in fixed
+        ``(batch, table width)`` shapes whose batch/block mapping runs as matmuls, prompt steps through Gaudi's
+        fused SDPA. The default ``buckets`` policy runs its own padded 3-D shapes (:mod:`engine.attention`)."""
+        from habana_frameworks.torch.hpex.kernels import FusedSDPA
+
+        from engine.kernels.paged_attention_blocks import fused_sdpa_adapter, make_paged_attention_blocks
+
+        return make_paged_attention_blocks(fused_sdpa_adapter(FusedSDPA.apply))
 
     def capture_graph(self, fn: GraphFn, static_inputs: dict[str, torch.Tensor]) -> GraphFn | None:
         graph = htorch.hpu.HPUGraph()

@@ -169,7 +169,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.workload_requests import make_requests, parse_priority_mix
+    from bench.workload_requests import draw_seed, make_requests, parse_priority_mix
     from bench.workloads import load_alpaca_texts
     from engine.model_loader import ModelNotFoundError, load_tokenizer
 
@@ -196,24 +196,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out_dir = Path(args.out)
-    cache: dict[float, list[Any]] = {}
+    cache: dict[tuple[float, str], list[Any]] = {}
 
-    def make(rate: float) -> list[Any]:
-        # Same prompts and lengths at every rate (one seed); only the arrival times scale with the rate.
-        if rate not in cache:
-            cache[rate] = make_requests(
+    def make(rate: float, draw: str = "load") -> list[Any]:
+        # Each rate (and the unloaded probe) draws prompts of its own from the workload: see draw_seed.
+        if (rate, draw) not in cache:
+            cache[rate, draw] = make_requests(
                 args.workload,
                 args.num_prompts,
                 rate,
                 tokenizer,
-                seed=args.seed,
+                seed=draw_seed(args.seed, rate, draw),
                 burstiness=args.burstiness,
                 max_model_len=args.max_model_len,
                 max_output_len=args.max_output_len,
                 online_share=online_share,
                 alpaca_texts=texts,
             )
-        return cache[rate]
+        return cache[rate, draw]
 
     unloaded: dict[str, dict[str, float | None]] = {}
     slo: dict[str, Any] = {}
@@ -242,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
         f"Run on {os.cpu_count()} CPU cores shared with other work on the machine; figures move with its load.",
         "Static batching returns each request's tokens at once when its batch ends: its TTFT is the whole "
         "batch's time and its TPOT is near zero.",
+        "Each rate sends prompts of its own (seeded from --seed and the rate), from the same distribution: a "
+        "server that caches prefixes (vLLM does by default) gains nothing from an earlier rate's prompts.",
         f"Our colocated system runs {args.colocated_workers} workers, as (a) and (b) run one prefill and one "
         "decode worker.",
     ]

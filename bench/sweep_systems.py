@@ -161,7 +161,7 @@ def run_system(
     try:
         run.startup_s = round(wait_healthy(base, server, args.startup_timeout_s), 1)
         logger.info("%s: healthy after %.0fs", system, run.startup_s)
-        probe = median_request(make(args.rates[0]))
+        probe = median_request(make(args.rates[0], "probe"))
         run.unloaded = asyncio.run(measure_unloaded(base, probe, args.model))
         ttft_slo, tpot_slo = slo_for(run)
         logger.info(

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.workload_requests import draw_seed
+
 # vLLM's random dataset as the engine issue and DESIGN.md state it: prompts of 256 +- 90% tokens, 64 out.
 RANDOM_INPUT_LEN = 256
 RANDOM_OUTPUT_LEN = 64
@@ -44,7 +46,8 @@ class VllmBench:
             "--random-input-len", str(RANDOM_INPUT_LEN), "--random-output-len", str(RANDOM_OUTPUT_LEN),
             "--random-range-ratio", str(RANDOM_RANGE_RATIO),
             "--num-prompts", str(self.num_prompts), "--request-rate", f"{rate:g}",
-            "--burstiness", f"{self.burstiness:g}", "--seed", str(self.seed), "--ignore-eos", "--temperature", "0",
+            "--burstiness", f"{self.burstiness:g}", "--seed", str(draw_seed(self.seed, rate)),
+            "--ignore-eos", "--temperature", "0",
             "--goodput", f"ttft:{self.slo_ttft_ms:g}", f"tpot:{self.slo_tpot_ms:g}",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
             "--save-result", "--result-dir", str(result_path.parent), "--result-filename", result_path.name,

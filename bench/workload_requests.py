@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,13 @@ class BenchRequest:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     request_id: str = ""
+
+
+def draw_seed(seed: int, rate: float, draw: str = "load") -> int:
+    """The seed of one rate's requests (``draw``: "load", or "probe" for the unloaded probe): each rate of a sweep
+    sends prompts of its own, from the same distribution. With one set of prompts at every rate, a server that
+    caches prefixes (vLLM does by default) would serve every rate after the first from its cache."""
+    return zlib.crc32(f"{seed}:{rate:g}:{draw}".encode())
 
 
 def parse_priority_mix(spec: str | None) -> float | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.vllm_client import VllmBench, sweep_point
+from bench.workload_requests import draw_seed
 
 
 def _result(duration: float, completed: int, failed: int, good: int) -> dict:
@@ -54,7 +55,13 @@ def test_command_runs_the_random_dataset_with_the_sweeps_slos(tmp_path: Path) ->
     args = dict(zip(cmd[3:], cmd[4:], strict=False))  # each flag -> the word after it
     assert args["--dataset-name"] == "random" and args["--random-input-len"] == "256"
     assert args["--random-range-ratio"] == "0.9" and args["--random-output-len"] == "64"
-    assert args["--request-rate"] == "1.5" and args["--num-prompts"] == "40" and args["--seed"] == "3"
+    assert args["--request-rate"] == "1.5" and args["--num-prompts"] == "40"
+    # Each rate draws prompts of its own (vLLM would serve a repeated set from its prefix cache).
+    assert (
+        args["--seed"]
+        == str(draw_seed(3, 1.5))
+        != bench.command(2.0, tmp_path / "r.json")[cmd.index("--seed") + 1]
+    )
     assert cmd[cmd.index("--goodput") + 1 : cmd.index("--goodput") + 3] == ["ttft:450", "tpot:50"]
     assert "--ignore-eos" in cmd and args["--result-filename"] == "r.json"
 

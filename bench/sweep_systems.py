@@ -71,14 +71,16 @@ def median_request(requests: list[Any]) -> Any:
 
 
 async def measure_unloaded(
-    base_url: str, probe: Any, model: str, repeats: int = 3, min_output: int = 16
+    base_url: str, probes: list[Any], model: str, min_output: int = 16
 ) -> dict[str, float | None]:
-    """TTFT and TPOT of one request alone (the median prompt), the median of ``repeats`` runs after one
-    discarded warm run."""
-    req = replace(probe, send_at=0.0, output_len=max(probe.output_len, min_output))
+    """TTFT and TPOT of one request alone: the median over ``probes[1:]`` after ``probes[0]``, a discarded warm
+    run. Each probe is a prompt of its own (a median-length one of its draw): a server that caches prefixes would
+    answer a repeated prompt from its cache."""
     ttfts, tpots = [], []
-    for i in range(repeats + 1):
-        one = replace(req, request_id=f"unloaded-{i}")
+    for i, probe in enumerate(probes):
+        one = replace(
+            probe, send_at=0.0, output_len=max(probe.output_len, min_output), request_id=f"unloaded-{i}"
+        )
         result = await run_benchmark(base_url, [one], model=model, progress=False)
         o = result.outcomes[0]
         if not o.success:
@@ -93,8 +95,8 @@ async def measure_unloaded(
     return {
         "ttft_ms": round(statistics.median(t), 3) if t else None,
         "tpot_ms": round(statistics.median(p), 3) if p else None,
-        "input_len": probe.input_len,
-        "output_len": req.output_len,
+        "input_len": statistics.median_low(r.input_len for r in probes[1:]),
+        "output_len": max(probes[1].output_len, min_output),
     }
 
 
@@ -161,8 +163,9 @@ def run_system(
     try:
         run.startup_s = round(wait_healthy(base, server, args.startup_timeout_s), 1)
         logger.info("%s: healthy after %.0fs", system, run.startup_s)
-        probe = median_request(make(args.rates[0], "probe"))
-        run.unloaded = asyncio.run(measure_unloaded(base, probe, args.model))
+        # A warm run and three measured ones, each with a prompt of its own.
+        probes = [median_request(make(args.rates[0], f"probe-{i}")) for i in range(4)]
+        run.unloaded = asyncio.run(measure_unloaded(base, probes, args.model))
         ttft_slo, tpot_slo = slo_for(run)
         logger.info(
             "%s: unloaded %s; SLO TTFT %.1f ms, TPOT %.1f ms", system, run.unloaded, ttft_slo, tpot_slo

@@ -284,3 +284,32 @@ def test_cli_json_only_with_token_ids_and_missing_dataset(server, tmp_path: Path
     argv = ["bench", "serve", "--base-url", url.removeprefix("http://"), "--request-rate", "1"]
     assert cli_main([*argv, "--out", str(tmp_path / "r3")]) == 2
     assert "--base-url" in capsys.readouterr().err
+
+
+def test_the_sweeps_unloaded_probes_and_rates_each_send_prompts_of_their_own(server, tokenizer):
+    """A server that caches prefixes must not see a prompt twice: not across the unloaded probe's runs, not
+    between the probe and the load, not from one rate to the next."""
+    from bench.sweep_systems import measure_unloaded, median_request
+    from bench.workload_requests import draw_seed, make_requests
+
+    url, app = server
+
+    def draw(rate: float, name: str) -> list[BenchRequest]:
+        return make_requests("random", 20, rate, tokenizer, seed=draw_seed(0, rate, name))
+
+    probes = [median_request(draw(2.0, f"probe-{i}")) for i in range(4)]
+    seen = len(app.state.seen)
+    unloaded = asyncio.run(measure_unloaded(url, probes, "default"))
+    sent = [str(s["body"]["prompt"]) for s in app.state.seen[seen:]]
+    assert len(sent) == 4 == len(set(sent)), "every run of the unloaded probe has a prompt of its own"
+    assert unloaded["ttft_ms"] >= DELAYS["fast"][0] * 1e3 and unloaded["tpot_ms"] > 0, unloaded
+    assert unloaded["input_len"] in {p.input_len for p in probes[1:]}
+    prompts = {rate: {str(r.prompt) for r in draw(rate, "load")} for rate in (1.0, 2.0, 4.0)}
+    assert (
+        not prompts[1.0] & prompts[2.0]
+        and not prompts[2.0] & prompts[4.0]
+        and not prompts[1.0] & prompts[4.0]
+    )
+    assert not set(sent) & prompts[2.0]
+    # The same draw again is the same requests: a sweep is reproducible from its seed.
+    assert [r.prompt for r in draw(2.0, "load")] == [r.prompt for r in draw(2.0, "load")]

@@ -33,6 +33,25 @@ MAX_TOKENS = [8, 12, 6]
 
 # Run as a driver of the test's cluster (the test process may already hold a Ray session of its own): where
 # each worker runs, and how the prefill worker reaches its decode peer.
+# A Serve application of someone else's on the cluster, with its proxy on argv[2].
+OTHER_APP = """
+import sys, ray
+from ray import serve
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+@serve.deployment
+def other(request):
+    return "other"
+serve.start(http_options={"host": "127.0.0.1", "port": int(sys.argv[2])})
+serve.run(other.bind(), name="other", route_prefix="/other")
+"""
+
+DELETE_OTHER_APP = """
+import sys, ray
+from ray import serve
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+serve.delete("other")
+"""
+
 PROBE = """
 import json, sys, ray
 ray.init(address=sys.argv[1], namespace="bucketserve", logging_level="ERROR", log_to_driver=False)
@@ -149,6 +168,29 @@ def test_prefill_and_decode_on_two_nodes_kv_over_the_network(tmp_path: Path, hf_
         assert "differs from the existing one" not in err, err  # a fresh Serve, on this --port
         assert "no node of the Ray cluster offers prefill_resources {'gaudi_node': 1.0}" in err, err
         assert "prefill_node 1" in err and "decode_node 1" in err, err
+
+        # Another application's Serve on another port: refused at once (it would ignore --port), naming both.
+        other_port, ours_port = free_port(), free_port()
+        other = [str(BIN / "python"), "-c", OTHER_APP, address, str(other_port)]
+        started = subprocess.run(other, env=env, capture_output=True, text=True, timeout=180)
+        assert started.returncode == 0, started.stderr[-2000:]
+        clash = [str(BIN / "bucketserve"), "serve", "--model", "tiny", "--address", address]
+        clash += ["--port", str(ours_port), "--max-model-len", "256"]
+        refused = subprocess.run(clash, env=env, capture_output=True, text=True, timeout=180)
+        err = refused.stderr[-3000:]
+        assert refused.returncode == 1, err
+        assert f"HTTP proxy on port {other_port} (applications: other)" in err, err
+        assert f"ignore --port {ours_port}" in err, err
+        # ... and the other application's Serve is left running.
+        assert httpx.get(f"http://127.0.0.1:{other_port}/other", timeout=10).text == "other"
+        # Once nothing runs on that Serve, it is restarted on our port.
+        gone = [str(BIN / "python"), "-c", DELETE_OTHER_APP, address]
+        deleted = subprocess.run(gone, env=env, capture_output=True, text=True, timeout=180)
+        assert deleted.returncode == 0, deleted.stderr[-2000:]
+        serve = ServerProcess(clash, env, tmp_path / "serve2.log")
+        wait_healthy(f"http://127.0.0.1:{ours_port}", serve, HEALTHY_TIMEOUT_S)
+        serve.stop(grace_s=30)
+        serve = None
     finally:
         if serve is not None:
             serve.stop(grace_s=30)

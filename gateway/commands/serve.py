@@ -602,6 +602,39 @@ class _StartUpSignals:
         return 128 + self.received
 
 
+class ServePortTaken(RuntimeError):
+    """Ray Serve already runs on the cluster with its proxy on another port: ours would never listen on --port."""
+
+
+def _check_serve_port(port: int) -> None:
+    """On a cluster joined with ``--address``, Ray Serve may already run for other applications: it keeps its own
+    HTTP options and would ignore ours, so the gateway would answer on its port, not on --port. Said before any
+    worker starts."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    try:
+        client = _get_global_client(raise_if_no_controller_running=False)
+    except Exception as e:  # an older or newer Serve without it: serve.start's own warning remains
+        logger.debug("no Serve client to check the port against: %s", e)
+        return
+    if client is None or client.http_config.port == port:
+        return
+    apps = sorted(serve.status().applications)
+    if not apps:  # left running with nothing on it: restarted below on our port
+        logger.info(
+            "restarting the idle Ray Serve of this cluster (its proxy was on port %d)",
+            client.http_config.port,
+        )
+        serve.shutdown()
+        return
+    raise ServePortTaken(
+        f"Ray Serve already runs on this cluster with its HTTP proxy on port {client.http_config.port} "
+        f"(applications: {', '.join(apps)}); it would ignore --port {port}. Serve on --port "
+        f"{client.http_config.port}, or stop that Serve instance first (`serve shutdown`)"
+    )
+
+
 def _release_serve_if_unused() -> None:
     """On a Ray cluster this process joined (``--address``), Serve (controller and proxies) outlives it: left
     running, its proxy keeps holding --port, and a later serve on the same cluster with another --port would get
@@ -680,6 +713,8 @@ def run(args: argparse.Namespace) -> int:
             if not debug:
                 _quiet_ray_driver()
             ensure_ray(config)
+        if joined_cluster:
+            _check_serve_port(proxy_port)
         # Before the gateway replicas, which follow it from their start (the drain on SIGTERM or Ctrl-C).
         signal_name = config.actor_name("drain-signal")
         drainer = drain_signal.launch(signal_name, config.namespace)

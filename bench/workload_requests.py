@@ -27,8 +27,8 @@ class BenchRequest:
 
 
 def draw_seed(seed: int, rate: float, draw: str = "load") -> int:
-    """The seed of one rate's requests (``draw``: "load", or "probe" for the unloaded probe): each rate of a sweep
-    sends prompts of its own, from the same distribution. With one set of prompts at every rate, a server that
+    """The seed of one rate's requests (``draw``: "load", or "probe-N" for a run of the unloaded probe): each rate
+    of a sweep sends prompts of its own, from the same distribution. With one set of prompts at every rate, a server that
     caches prefixes (vLLM does by default) would serve every rate after the first from its cache."""
     return zlib.crc32(f"{seed}:{rate:g}:{draw}".encode())
 

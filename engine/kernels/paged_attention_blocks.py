@@ -18,20 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-# sdpa(q [1, H, Q, D], k [1, KVH, S, D], v [1, KVH, S, D], bias [Q, S] additive, scale) -> [1, H, Q, D]
-SdpaFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+from engine.kernels.paged_attention_ref import SdpaFn, attend_per_sequence, torch_sdpa
 
 # Finite, so a row with no valid slot (a padding row) gives finite garbage, never a NaN that the block-to-sequence
 # matmul would spread to every sequence (0 * NaN is NaN).
 _MASKED = -1e30
-
-
-def torch_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
-) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
 
 
 def fused_sdpa_adapter(fused_apply: Callable[..., torch.Tensor]) -> SdpaFn:
@@ -41,12 +33,13 @@ def fused_sdpa_adapter(fused_apply: Callable[..., torch.Tensor]) -> SdpaFn:
     "fast"), no recompute (inference), no padding (each sequence's context is gathered to its own length)."""
 
     def sdpa(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
     ) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
         if group > 1:
             k = k.repeat_interleave(group, dim=1)  # [1, H, S, D]
             v = v.repeat_interleave(group, dim=1)
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, _MASKED)  # [Q, S]
         return fused_apply(q, k, v, bias[None, None], 0.0, False, scale, "None", False, None, "right")
 
     return sdpa
@@ -68,7 +61,7 @@ def make_paged_attention_blocks(sdpa: SdpaFn = torch_sdpa) -> Callable[..., None
         if q.shape[0] == block_table.shape[0]:
             _decode(out, q, k_cache, v_cache, block_table, seq_lens, scale)
         else:  # some sequence has several query tokens (a prompt or a chunk)
-            _prompts(sdpa, out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
+            attend_per_sequence(sdpa, out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
 
     return paged_attention_blocks
 
@@ -111,38 +104,3 @@ def _decode(
     o = mapping.t() @ pv.reshape(nb, kvh * g * d)  # [B, KVH * G * D]: block to batch
     o = o.view(b, kvh, g, d) / row_sum.view(b, kvh, g, 1)
     out.copy_(o.view(b, h, d))  # the G query heads of KV head j are heads j * G .. j * G + G - 1
-
-
-def _prompts(
-    sdpa: SdpaFn,
-    out: torch.Tensor,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-) -> None:
-    bs, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    starts = query_start_loc.tolist()
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        q0, q1 = starts[i], starts[i + 1]
-        q_len = q1 - q0
-        if q_len == 0:
-            continue
-        ids = block_table[i, : -(-seq_len // bs)].long()
-        k = k_cache.index_select(0, ids).reshape(-1, kvh, d)[:seq_len]  # [S, KVH, D]
-        v = v_cache.index_select(0, ids).reshape(-1, kvh, d)[:seq_len]
-        # Query j sits at position seq_len - q_len + j and sees the cached positions up to it.
-        qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]  # [Q, 1]
-        seen = torch.arange(seq_len, device=q.device)[None, :] <= qpos  # [Q, S]
-        bias = torch.zeros(seen.shape, device=q.device).masked_fill(~seen, _MASKED)
-        o = sdpa(
-            q[q0:q1].transpose(0, 1)[None].float(),  # [1, H, Q, D]
-            k.transpose(0, 1)[None].float(),  # [1, KVH, S, D]
-            v.transpose(0, 1)[None].float(),
-            bias,
-            scale,
-        )
-        out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)  # [Q, H, D]

@@ -6,11 +6,24 @@ then one SDPA call with a causal mask offset by the cached context. Computes in 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+# sdpa(q [1, H, Q, D], k [1, KVH, S, D], v [1, KVH, S, D], mask [Q, S] bool, scale) -> [1, H, Q, D]
+SdpaFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
-def paged_attention_ref(
+
+def torch_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [1, H, Q, D], k/v [1, KVH, S, D], mask [Q, S] bool (True: may attend) -> [1, H, Q, D]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def attend_per_sequence(
+    sdpa: SdpaFn,
     out: torch.Tensor,  # [T, H, D], written
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [NB, BS, KVH, D]
@@ -20,6 +33,8 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor,  # [B + 1] int32
     scale: float,
 ) -> None:
+    """Each sequence's blocks gathered into contiguous K/V, then one ``sdpa`` call with a causal mask offset by
+    the cached context; shared by the operators whose steps with prompt tokens run this way."""
     bs, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     lens = seq_lens.tolist()
     starts = query_start_loc.tolist()
@@ -38,5 +53,18 @@ def paged_attention_ref(
         # Query j sits at position seq_len - q_len + j and sees cache positions <= it.
         qpos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)  # [Q, 1]
         mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= qpos  # [Q, S]
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+        o = sdpa(qi, ki, vi, mask, scale)
         out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)  # [Q, H, D]
+
+
+def paged_attention_ref(
+    out: torch.Tensor,  # [T, H, D], written
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [NB, BS, KVH, D]
+    v_cache: torch.Tensor,  # [NB, BS, KVH, D]
+    block_table: torch.Tensor,  # [B, W] int32
+    seq_lens: torch.Tensor,  # [B] int32, cached tokens including this step's
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    scale: float,
+) -> None:
+    attend_per_sequence(torch_sdpa, out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)

@@ -61,6 +61,10 @@ class ControllerConfig:
     scheduling: str = "buckets"
     # Elastic prefill: decode workers with slack run prompt batches themselves (bucket_manager/lending.py).
     lending: LendingPolicy = field(default_factory=LendingPolicy)
+    # DispatcherConfig.core_neighbours; and the cores each worker is pinned to (worker id, core ids), which a
+    # prefill worker borrows from an idle neighbour.
+    core_neighbours: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    worker_cores: tuple[tuple[str, tuple[int, ...]], ...] = ()
     # The cluster's workers as (role, Ray actor name): a restarted controller finds them by name and rebuilds its
     # ledger from what they hold (empty: it waits for register_workers, as a first start does).
     workers: tuple[tuple[str, str], ...] = ()
@@ -78,6 +82,16 @@ class ControllerConfig:
 
     def __post_init__(self) -> None:
         check_planning_config(self)
+        for pair in self.worker_cores:
+            ok = isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+            if (
+                not ok
+                or not isinstance(pair[1], tuple)
+                or not all(isinstance(c, int) and c >= 0 for c in pair[1])
+            ):
+                raise ValueError(
+                    f"ControllerConfig.worker_cores must be (worker id, (core ids)) pairs, got {pair!r}"
+                )
         for role, name in self.workers:
             if role not in ("prefill", "decode") or not name:
                 raise ValueError(
@@ -135,6 +149,7 @@ class Controller:
         # Workers removed by the autoscaler: a gateway that reports one as dead lost nothing with it.
         self._retired: set[str] = set()
         self.dispatcher = Dispatcher(config.dispatcher_config(), on_buckets=self._publish_buckets)
+        self._worker_cores = dict(config.worker_cores)
         self.handles: dict[str, Any] = {}  # worker id -> actor handle
         # The monitor's figures: when they were last asked for and last received, the read in flight (one at a
         # time, so a slow monitor never gets a backlog of reads), and whether they are known to be stale.
@@ -658,8 +673,13 @@ class Controller:
                     batch.batch_id, list(batch.payloads), time.time()
                 )
                 continue
+            if batch.borrowed and self._monitor is not None:
+                with contextlib.suppress(Exception):
+                    for did in batch.borrowed:
+                        self._monitor.record_core_lend.remote(did)
             items = [(payload, batch.decode_id) for payload in batch.payloads]
-            self.handles[batch.prefill_id].enqueue.remote(batch.batch_id, items, time.time())
+            cores = tuple(sorted({c for did in batch.borrowed for c in self._worker_cores.get(did, ())}))
+            self.handles[batch.prefill_id].enqueue.remote(batch.batch_id, items, time.time(), cores)
 
     def _publish_buckets(self, queue: RequestBuckets) -> None:
         bounds = queue.bounds()

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bucket_manager.batch_plan import BatchPlan, plan_batch
-from bucket_manager.lending import LendingPolicy, batch_token_budget, lend_instead
+from bucket_manager.lending import LendingPolicy, batch_token_budget, idle_core_lenders, lend_instead
 from bucket_manager.memory_budget import MemoryBudget, WorkerLoad, blocks_for, choose_workers
 from bucket_manager.priority import PriorityPolicy
 from bucket_manager.request import PriorityClass, RequestSummary
@@ -59,6 +59,17 @@ def check_planning_config(config: Any) -> None:
         raise ValueError(f"{owner}.theta must be in [0, 1), got {config.theta!r}")
     if not isinstance(config.shape_config, ShapeBucketConfig):
         raise ValueError(f"{owner}.shape_config must be a ShapeBucketConfig")
+    for pair in config.core_neighbours:
+        ok = (
+            isinstance(pair, tuple)
+            and len(pair) == 2
+            and isinstance(pair[0], str)
+            and isinstance(pair[1], tuple)
+        )
+        if not ok or not all(isinstance(d, str) for d in pair[1]):
+            raise ValueError(
+                f"{owner}.core_neighbours must be (prefill worker id, (decode worker ids)) pairs, got {pair!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,9 @@ class DispatcherConfig:
     scheduling: str = "buckets"
     # Elastic prefill (bucket_manager/lending.py): decode workers with slack run prompt batches themselves.
     lending: LendingPolicy = field(default_factory=LendingPolicy)
+    # (prefill worker id, decode worker ids pinned beside it on its node): the decode workers whose cores its
+    # batches may borrow while they are idle (LendingPolicy.share_cores). Workers named nowhere share nothing.
+    core_neighbours: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         check_planning_config(self)
@@ -95,6 +109,8 @@ class Dispatch:
     decode_id: str
     plan: BatchPlan
     payloads: tuple[object, ...]
+    # Decode workers (idle, on the prefill worker's node) whose cores the batch runs on besides the prefill worker's.
+    borrowed: tuple[str, ...] = ()
 
     @property
     def request_ids(self) -> tuple[str, ...]:
@@ -140,6 +156,10 @@ class Dispatcher:
         self._reported: dict[str, int] = {}
         self._down: set[str] = set()
         self._draining: set[str] = set()
+        self._neighbours = dict(config.core_neighbours)
+        # Decode worker id -> (prefill worker id, batch id) of the batch running on its cores, until that batch is done.
+        self._cores_lent: dict[str, tuple[str, int]] = {}
+        self.core_shared_batches = 0
 
     # ------------------------------------------------------------------ workers
     def set_workers(self, prefill: Mapping[str, int], decode: Mapping[str, int]) -> None:
@@ -363,10 +383,13 @@ class Dispatcher:
             if lending.enabled:
                 decoding = self._decoding()
                 may_run = [w for w in self.usable("decode") if lending.can_lend(decoding[w.worker_id], 0)]
+                lent_cores = self._lent_cores()
                 lenders = [
                     WorkerLoad(w.worker_id, w.free_blocks(self._reported.get(w.worker_id)), 0)
                     for w in may_run
-                    if not w.outstanding and not self._held(w.worker_id, now)
+                    if not w.outstanding
+                    and not self._held(w.worker_id, now)
+                    and w.worker_id not in lent_cores
                 ]
                 # Every worker that may run prompts, busy or not: none takes the whole queue while another could
                 # share it.
@@ -400,9 +423,34 @@ class Dispatcher:
             plan = plan_batch(self.queue, self.shapes, budget, self.config.policy, now, self.online_streak)
             if plan is None:
                 break  # the most urgent request does not fit yet: wait for blocks to come back
+            # Before this batch reserves on its decode worker (which may be the idle lender).
+            borrowed = self._core_lenders(p, len(self.queue) - len(plan.request_ids)) if p is not d else ()
             executor = self.decode[p.worker_id] if p is d else self.prefill[p.worker_id]
-            dispatched.append(self._dispatch(plan, executor, self.decode[d.worker_id]))
+            dispatched.append(self._dispatch(plan, executor, self.decode[d.worker_id], borrowed))
         return dispatched
+
+    def _lent_cores(self) -> dict[str, tuple[str, int]]:
+        """Decode worker id -> (prefill worker id, batch id) running on its cores; an entry ends with its batch
+        (done, given back, or its prefill worker gone)."""
+        for did, (pid, bid) in list(self._cores_lent.items()):
+            p = self.prefill.get(pid)
+            if p is None or bid not in p.outstanding:
+                del self._cores_lent[did]
+        return self._cores_lent
+
+    def _core_lenders(self, p: WorkerLoad, left_queued: int) -> tuple[str, ...]:
+        """The decode workers whose cores the prefill worker ``p``'s next batch may borrow: only a batch that starts
+        at once (``p`` holds none) and leaves nothing queued (a burst runs in batches side by side instead, one of
+        them lent to the idle decode worker), and only decode workers of its node that hold nothing."""
+        lending = self.config.lending
+        if not (lending.enabled and lending.share_cores) or p.queue_len or left_queued:
+            return ()
+        neighbours = self._neighbours.get(p.worker_id, ())
+        idle = {}
+        for did in neighbours:
+            w = self.decode.get(did)
+            idle[did] = w is not None and self._usable(w) and not w.reserved and not w.outstanding
+        return idle_core_lenders(neighbours, idle, self._lent_cores())
 
     def _held(self, worker_id: str, now: float) -> bool:
         """The decode worker refused a request as full less than ``full_hold_s`` ago."""
@@ -423,7 +471,9 @@ class Dispatcher:
             w.worker_id: sum(1 for rid in w.reserved if rid not in in_prefill) for w in self.decode.values()
         }
 
-    def _dispatch(self, plan: BatchPlan, p: WorkerLedger, d: WorkerLedger) -> Dispatch:
+    def _dispatch(
+        self, plan: BatchPlan, p: WorkerLedger, d: WorkerLedger, borrowed: tuple[str, ...] = ()
+    ) -> Dispatch:
         self._batch_seq += 1
         bs = self.config.block_size
         for rid in plan.request_ids:
@@ -437,7 +487,10 @@ class Dispatcher:
         self.batches += 1
         self.lent_batches += p is d
         payloads = tuple(self.payloads[rid] for rid in plan.request_ids)
-        return Dispatch(self._batch_seq, p.worker_id, d.worker_id, plan, payloads)
+        for did in borrowed:
+            self._cores_lent[did] = (p.worker_id, self._batch_seq)
+        self.core_shared_batches += bool(borrowed)
+        return Dispatch(self._batch_seq, p.worker_id, d.worker_id, plan, payloads, borrowed)
 
     def _enqueue(self, summary: RequestSummary) -> None:
         if self.fcfs:
@@ -455,12 +508,14 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ reporting
     def state(self) -> dict:
+        lent_cores = self._lent_cores()
         return {
             "queued": len(self.queue),
             "buckets": self.queue.bounds(),
             "bucket_sizes": self.queue.sizes(),
             "batches": self.batches,
             "lent_batches": self.lent_batches,
+            "core_shared_batches": self.core_shared_batches,
             "in_cluster": len(self.request_ids()),
             "prefill": {
                 w.worker_id: {
@@ -475,6 +530,7 @@ class Dispatcher:
                     "reserved": w.reserved_blocks(),
                     "requests": len(w.reserved),
                     "lent_batches": len(w.outstanding),
+                    "cores_lent": w.worker_id in lent_cores,
                     "alive": w.alive,
                 }
                 for w in self.decode.values()

@@ -13,11 +13,18 @@ A burst is also spread: each batch takes at most an even share of the queued pro
 run prompts (the prefill workers, and the decode workers within the guard), instead of the first free one taking
 them all while another could have shared them.
 
+Cores are lent too (``share_cores``): a batch that a prefill worker starts at once (it holds no other) and that
+leaves nothing queued may run on the cores of the decode workers pinned beside it on its node while they hold
+nothing at all (no request decoding or on its way, no lent batch). A lone prompt then prefills on every core of a 2-core host instead of one (1.5-1.7x
+faster there), and the decode core is back before the prompt's own KV reaches it. While lent, that decode worker
+takes no lent batch (the two would share one core and stall each other's threads).
+
 Pure functions over ints: no Ray, no torch, no clock.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -32,6 +39,8 @@ class LendingPolicy:
     max_running: int = 16
     # Prompt tokens of one lent batch: the longest prompt step the requests decoding there may have to wait for.
     max_tokens: int = 512
+    # A prefill batch may run on the cores of idle decode workers of its node (the launcher names them).
+    share_cores: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -44,11 +53,21 @@ class LendingPolicy:
             raise ValueError(f"LendingPolicy.max_running must be an int >= 0, got {self.max_running!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"LendingPolicy.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.share_cores, bool):
+            raise ValueError(f"LendingPolicy.share_cores must be a bool, got {self.share_cores!r}")
 
     def can_lend(self, decoding: int, lent_batches: int) -> bool:
         """A decode worker decoding ``decoding`` requests and running ``lent_batches`` prompt batches may take one
         more."""
         return self.enabled and lent_batches == 0 and decoding <= self.max_running
+
+
+def idle_core_lenders(
+    neighbours: Sequence[str], idle: Mapping[str, bool], lent_to: Mapping[str, object]
+) -> tuple[str, ...]:
+    """The decode workers (of ``neighbours``, those pinned beside a prefill worker on its node) whose cores its next
+    batch may borrow: idle (``idle[id]``: it holds no request and no lent batch) and not lent to another batch."""
+    return tuple(d for d in neighbours if idle.get(d, False) and d not in lent_to)
 
 
 def lend_instead(prefill_queue_lens: list[int], lenders: int, longest_prompt: int, max_tokens: int) -> bool:

@@ -63,6 +63,9 @@ class ClusterConfig:
     # Elastic prefill: a decode worker that decodes nothing lends its steps to prompt batches while every prefill
     # worker already holds one, and a burst is split over the idle workers (bucket_manager/lending.py).
     elastic: bool = True
+    # Elastic too: a prefill batch runs on the cores of the idle decode workers pinned beside its prefill worker
+    # (a lone prompt prefills on every core of a small host). Needs pin_cores.
+    share_cores: bool = True
     # Ray: None starts a local cluster in-process; "auto" or "ray://host:port" joins one.
     ray_address: str | None = None
     ray_num_cpus: int | None = None
@@ -179,6 +182,8 @@ class ClusterConfig:
             raise ValueError(f"ClusterConfig.scheduling must be 'buckets' or 'fcfs', got {self.scheduling!r}")
         if not isinstance(self.elastic, bool):
             raise ValueError(f"ClusterConfig.elastic must be a bool, got {self.elastic!r}")
+        if not isinstance(self.share_cores, bool):
+            raise ValueError(f"ClusterConfig.share_cores must be a bool, got {self.share_cores!r}")
         if not self.name or not self.namespace:
             raise ValueError("ClusterConfig.name and ClusterConfig.namespace must be non-empty")
 
@@ -522,7 +527,32 @@ def launch_cluster(config: ClusterConfig) -> ClusterHandles:
     return handles
 
 
-def controller_config(config: ClusterConfig, info: WorkerInfo) -> ControllerConfig:
+def core_sharing(
+    infos: Mapping[str, WorkerInfo],
+) -> tuple[tuple[tuple[str, tuple[str, ...]], ...], tuple[tuple[str, tuple[int, ...]], ...]]:
+    """(prefill worker, the decode workers on its node pinned to other cores) for each pinned prefill worker, and
+    every pinned worker's cores: what ``ControllerConfig.core_neighbours`` and ``worker_cores`` take."""
+    pinned = {n: i for n, i in infos.items() if i.cores and i.node_id}
+    neighbours = tuple(
+        (
+            n,
+            tuple(
+                d
+                for d, di in pinned.items()
+                if di.role == "decode" and di.node_id == i.node_id and not set(di.cores) & set(i.cores)
+            ),
+        )
+        for n, i in pinned.items()
+        if i.role == "prefill"
+    )
+    return tuple((n, ds) for n, ds in neighbours if ds), tuple((n, i.cores) for n, i in pinned.items())
+
+
+def controller_config(
+    config: ClusterConfig, info: WorkerInfo, infos: Mapping[str, WorkerInfo] | None = None
+) -> ControllerConfig:
+    """The controller's config; ``infos`` (every worker's, by actor name) tell which workers share a node's cores."""
+    neighbours, cores = core_sharing(infos or {})
     return ControllerConfig(
         block_size=info.block_size,
         max_model_len=info.max_model_len,
@@ -533,7 +563,11 @@ def controller_config(config: ClusterConfig, info: WorkerInfo) -> ControllerConf
         policy=config.policy,
         max_batches_per_prefill_worker=config.max_batches_per_prefill_worker,
         scheduling=config.scheduling,
-        lending=LendingPolicy(enabled=config.elastic and config.mode == "disaggregated"),
+        lending=LendingPolicy(
+            enabled=config.elastic and config.mode == "disaggregated", share_cores=config.share_cores
+        ),
+        core_neighbours=neighbours,
+        worker_cores=cores,
         workers=tuple((role, name) for role, name in config.worker_ids() if role in ("prefill", "decode")),
         scaling=config.scaling,
     )
@@ -566,7 +600,7 @@ def _launch_controller(handles: ClusterHandles, life: dict[str, str]) -> ActorHa
             **life,
         )
         .remote(
-            controller_config(config, handles.engine_info()),
+            controller_config(config, handles.engine_info(), infos),
             WorkerSpawner(config) if config.scaling is not None and config.scaling.enabled else None,
         )
     )

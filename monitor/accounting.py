@@ -125,15 +125,22 @@ def lent_totals(worker_id: str, prompts: int) -> dict[str, float]:
     return {f"lent|{worker_id}": 1, f"lentp|{worker_id}": float(prompts)}
 
 
+def core_lent_totals(worker_id: str) -> dict[str, float]:
+    """One prompt batch that ran on decode worker ``worker_id``'s cores too (it was idle)."""
+    return {f"lentc|{worker_id}": 1}
+
+
+_LENT_KINDS = {"lent": "batches", "lentp": "prompts", "lentc": "core_batches"}
+
+
 def decode_lent(totals: Mapping[str, float]) -> dict[str, dict[str, float]]:
-    """{decode worker: {"batches": ..., "prompts": ...}} lent to it, from the cumulative totals."""
+    """{decode worker: {"batches": ..., "prompts": ..., "core_batches": ...}} lent to it (prompt batches it
+    prefilled itself, their prompts, and prefill batches that borrowed its cores), from the cumulative totals."""
     out: dict[str, dict[str, float]] = {}
     for name, value in totals.items():
         kind, _, worker = name.partition("|")
-        if kind in ("lent", "lentp"):
-            out.setdefault(worker, {"batches": 0.0, "prompts": 0.0})[
-                "batches" if kind == "lent" else "prompts"
-            ] = value
+        if kind in _LENT_KINDS:
+            out.setdefault(worker, dict.fromkeys(_LENT_KINDS.values(), 0.0))[_LENT_KINDS[kind]] = value
     return out
 
 

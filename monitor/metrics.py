@@ -72,6 +72,7 @@ METRIC_NAMES: tuple[str, ...] = tuple(PREFIX + name for name, _, _ in HISTOGRAMS
         "scaling_events",
         "lent_prompt_batches",
         "lent_prompts",
+        "lent_core_batches",
         "slo_attainment_ratio",
         "bucket_count",
         "bucket_queue_depth",
@@ -176,10 +177,16 @@ def _request_families(totals: dict[str, float], model_name: str) -> Iterable[Met
         "Prompts a decode worker prefilled itself (elastic prefill).",
         labels=["model_name", "worker"],
     )
+    lent_cores = CounterMetricFamily(
+        PREFIX + "lent_core_batches",
+        "Prefill batches that ran on an idle decode worker's cores too (elastic prefill, serve --share-cores on).",
+        labels=["model_name", "worker"],
+    )
     for worker, counts in sorted(accounting.decode_lent(totals).items()):
         lent.add_metric([model_name, worker], counts["batches"])
         lent_prompts.add_metric([model_name, worker], counts["prompts"])
-    return [prompt, generation, success, failure, met, kv_bytes, scaling, lent, lent_prompts]
+        lent_cores.add_metric([model_name, worker], counts["core_batches"])
+    return [prompt, generation, success, failure, met, kv_bytes, scaling, lent, lent_prompts, lent_cores]
 
 
 def _window_families(store: MonitorStore, model_name: str, window_s: float) -> Iterable[Metric]:

@@ -80,6 +80,10 @@ class Monitor:
         (``lent_prompt_batches_total`` / ``lent_prompts_total{worker}``)."""
         self.store.add_lent_batch(worker_id, prompts)
 
+    def record_core_lend(self, worker_id: str) -> None:
+        """A prefill batch ran on idle decode worker ``worker_id``'s cores too (``lent_core_batches_total{worker}``)."""
+        self.store.add_core_lend(worker_id)
+
     def record_batch(self, rec: BatchRecord) -> None:
         """One executed batch: batch-size histogram and padding waste."""
         self.store.add_batch(rec)
@@ -197,7 +201,8 @@ class Monitor:
             "workers": [_worker_row(s, now) for s in statuses],
             "runtime_compilations": sum(s.stats.runtime_compilations for s in statuses),
             "scaling_events": _scaling_events(totals),
-            # Prompt batches (and prompts) each decode worker prefilled itself (elastic prefill), since the start.
+            # Prompt batches (and prompts) each decode worker prefilled itself, and prefill batches that ran on its
+            # cores too (elastic prefill), since the start.
             "lending": {
                 worker: {k: int(v) for k, v in counts.items()}
                 for worker, counts in accounting.decode_lent(totals).items()

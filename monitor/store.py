@@ -187,6 +187,12 @@ class MonitorStore(ABC):
             raise ValueError(f"a lent batch is (worker id, prompts >= 1), got {(worker_id, prompts)!r}")
         self._apply([HashOp(accounting.TOTALS_KEY, incr=accounting.lent_totals(worker_id, prompts))])
 
+    def add_core_lend(self, worker_id: str) -> None:
+        """A prefill batch ran on idle decode worker ``worker_id``'s cores too (elastic prefill)."""
+        if not worker_id or not isinstance(worker_id, str):
+            raise ValueError(f"a core lend names its decode worker, got {worker_id!r}")
+        self._apply([HashOp(accounting.TOTALS_KEY, incr=accounting.core_lent_totals(worker_id))])
+
     def add_batch(self, rec: BatchRecord) -> None:
         self._apply([HashOp(accounting.TOTALS_KEY, incr=accounting.batch_totals(rec))])
 

@@ -26,6 +26,7 @@ from monitor import stages
 from monitor.records import BatchRecord
 from worker.actor import EngineWorker
 from worker.config import WorkerConfig, layer_streaming
+from worker.cores import borrowed_cores
 from worker.info import DecodePeer
 from worker.messages import MessageRef, PrefilledMessage, RequestMessage
 
@@ -44,10 +45,12 @@ class PrefillWorker(EngineWorker):
         super().__init__(config)
         self.transport = self._open_kv_transport()
         self._cond = threading.Condition()
-        # (batch id, [(request, decode worker id)], when the controller sent it), in the order to run them.
-        self._queue: collections.deque[tuple[int, list[tuple[RequestMessage, str]], float | None]] = (
-            collections.deque()
-        )
+        # (batch id, [(request, decode worker id)], when the controller sent it, cores it may borrow), in the order
+        # to run them.
+        self._queue: collections.deque[
+            tuple[int, list[tuple[RequestMessage, str]], float | None, tuple[int, ...]]
+        ] = collections.deque()
+        self._core_shared = 0  # batches that ran on borrowed cores too
         self._in_progress = 0  # batches taken off the queue whose transfers are not all done
         # Every batch held here, queued or in progress, until its batch_done: what a restarted controller adopts.
         self._held: dict[int, list[tuple[RequestMessage, str]]] = {}
@@ -84,14 +87,16 @@ class PrefillWorker(EngineWorker):
         batch_id: int,
         items: list[tuple[RequestMessage | MessageRef, str]],
         dispatched_at: float | None = None,
+        borrow_cores: tuple[int, ...] = (),
     ) -> None:
         """A batch planned by the controller: (request, decode worker id) pairs, run after those queued;
-        ``dispatched_at``: when the controller sent it (Unix seconds), stamped on the first tokens. Each request's
-        message is fetched here from its gateway's object store (the controller passes references)."""
+        ``dispatched_at``: when the controller sent it (Unix seconds), stamped on the first tokens;
+        ``borrow_cores``: cores of idle decode workers beside this one that its forward pass may run on too. Each
+        request's message is fetched here from its gateway's object store (the controller passes references)."""
         msgs = self._fetch_messages([p for p, _ in items])
         items = [(m, d) for m, (_, d) in zip(msgs, items, strict=True) if m is not None]
         with self._cond:
-            self._queue.append((batch_id, list(items), dispatched_at))
+            self._queue.append((batch_id, list(items), dispatched_at, tuple(borrow_cores)))
             self._held[batch_id] = list(items)
             self._cond.notify_all()
 
@@ -118,6 +123,7 @@ class PrefillWorker(EngineWorker):
             "queued_batches": queued,
             "in_progress": self._in_progress,
             "streamed_transfers": self._streamed,
+            "core_shared_batches": self._core_shared,
             "kv_layer_streaming": self._stream_layers,
             "transport": self.transport.stats(),
         }
@@ -138,12 +144,12 @@ class PrefillWorker(EngineWorker):
                 if not self._queue:
                     self._cond.wait(0.5)
                     continue
-                batch_id, items, dispatched_at = self._queue.popleft()
+                batch_id, items, dispatched_at, borrow = self._queue.popleft()
                 self._in_progress += 1
                 items = [(m, d) for m, d in items if m.request_id not in self._tombstones]
             streamer = LayerStreamer(self.transport) if self._stream_layers else None
             try:
-                sends = self._run(items, streamer, dispatched_at)
+                sends = self._run(items, streamer, dispatched_at, borrow)
             except Exception as e:
                 logger.exception("prefill batch %d failed", batch_id)
                 sends = []
@@ -156,6 +162,7 @@ class PrefillWorker(EngineWorker):
         items: list[tuple[RequestMessage, str]],
         streamer: LayerStreamer | None = None,
         dispatched_at: float | None = None,
+        borrow_cores: tuple[int, ...] = (),
     ) -> list[tuple[RequestMessage, Request, str]]:
         if not items:
             return []
@@ -174,7 +181,10 @@ class PrefillWorker(EngineWorker):
         t0 = time.perf_counter()
         try:
             hook = streamer.on_layer_written if streamer is not None else None
-            outs = self.engine.prefill_only(reqs, on_layer_written=hook)
+            with borrowed_cores(self.cores, self.config.num_threads, borrow_cores) as threads:
+                # Back to its own cores as soon as the forward is done: the batch's requests decode on the lender.
+                outs = self.engine.prefill_only(reqs, on_layer_written=hook)
+            self._core_shared += threads > self.config.num_threads
         except BaseException:
             # Every transfer opened (or refused) is ended, and the transport frees those requests' blocks.
             opened = set(streamer.abort("prefill failed")) if streamer is not None else set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 
@@ -290,6 +291,52 @@ def test_elastic_prefill_lends_a_burst_to_the_idle_decode_worker(ray_session, hf
         assert all(d["lent_batches"] == 0 and d["requests"] == 0 for d in state["decode"].values()), state
         text = asyncio.run(backend.metrics_text())
         assert 'bucketserve:lent_prompts_total{model_name="tiny",worker="t-elastic:decode-0"}' in text
+    finally:
+        asyncio.run(backend.shutdown())
+
+
+def test_a_lone_prompt_prefills_on_the_idle_decode_workers_core_too(ray_session, hf_reference):
+    """serve's default (--elastic on, --share-cores on, workers pinned): a prompt that arrives while the decode
+    worker holds nothing runs its prefill on the decode worker's core as well (two threads), and its answer is still
+    exact. The borrowing shows in the controller's state, the prefill worker's stats and on /metrics."""
+    backend = RayClusterBackend(cluster_config("disaggregated", "t-cores", stream_kv_layers=None))
+    try:
+        infos = backend.handles.infos
+        if (os.cpu_count() or 1) < 2:
+            pytest.skip("one core: nothing to borrow (prefill and decode workers share it)")
+        if len({c for i in infos.values() for c in i.cores}) < 2:
+            pytest.fail(
+                f"the workers were not pinned to two cores: {[(n, i.cores) for n, i in infos.items()]}"
+            )
+        reference = hf_reference("tiny", "cpu")
+        for i in range(3):
+            req = make_request(f"core{i}", 90, 5, seed=11)
+            got = asyncio.run(collect(backend, req))
+            assert got.error is None, got.error
+            assert got.tokens == reference.greedy(req.prompt_token_ids, 5, ignore_eos=True), req.request_id
+            # The next prompt is lone only once the controller knows this one ended (the decode worker says so).
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                state = ray.get(backend.handles.controller.state.remote())
+                if state["decode"]["t-cores:decode-0"]["requests"] == 0:
+                    break
+                time.sleep(0.05)
+        assert state["core_shared_batches"] == 3, state
+        assert not state["decode"]["t-cores:decode-0"]["cores_lent"], state
+        stats = asyncio.run(wait_idle(backend))
+        assert_no_leaks(stats)
+        assert stats["t-cores:prefill-0"]["core_shared_batches"] == 3, stats["t-cores:prefill-0"]
+        text = asyncio.run(backend.metrics_text())
+        assert 'bucketserve:lent_core_batches_total{model_name="tiny",worker="t-cores:decode-0"} 3.0' in text
+    finally:
+        asyncio.run(backend.shutdown())
+
+    # Off: the prefill worker keeps to its own core.
+    backend = RayClusterBackend(cluster_config("disaggregated", "t-cores-off", share_cores=False))
+    try:
+        got = asyncio.run(collect(backend, make_request("nocore", 90, 5, seed=11)))
+        assert got.error is None, got.error
+        assert ray.get(backend.handles.controller.state.remote())["core_shared_batches"] == 0
     finally:
         asyncio.run(backend.shutdown())
 

@@ -23,7 +23,9 @@ class _Worker:
         self.batches: list[list[str]] = []
         self.enqueue = SimpleNamespace(remote=self._enqueue)
 
-    def _enqueue(self, batch_id: int, items: list[tuple[object, str]], dispatched_at: float) -> None:
+    def _enqueue(
+        self, batch_id: int, items: list[tuple[object, str]], dispatched_at: float, borrow_cores: tuple = ()
+    ) -> None:
         self.batches.append([str(payload) for payload, _ in items])
 
 

@@ -181,7 +181,13 @@ def test_state_and_duplicates() -> None:
     state = d.state()
     assert state["batches"] == 1 and state["in_cluster"] == 1 and state["queued"] == 0
     assert state["prefill"] == {"p0": {"reserved": blocks_for(100, BS), "outstanding": 1, "alive": True}}
-    want = {"reserved": blocks_for(120, BS), "requests": 1, "lent_batches": 0, "alive": True}
+    want = {
+        "reserved": blocks_for(120, BS),
+        "requests": 1,
+        "lent_batches": 0,
+        "cores_lent": False,
+        "alive": True,
+    }
     assert state["decode"] == {"d0": want} and state["lent_batches"] == 0
 
 

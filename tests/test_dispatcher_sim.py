@@ -130,7 +130,9 @@ class _PrefillWorker:
     """Records what the controller hands it; payloads are the request ids."""
 
     def __init__(self, worker_id: str, sent: list[Batch]) -> None:
-        def enqueue(batch_id: int, items: list[tuple[object, str]], dispatched_at: float) -> None:
+        def enqueue(
+            batch_id: int, items: list[tuple[object, str]], dispatched_at: float, borrow_cores: tuple = ()
+        ) -> None:
             decode_ids = {did for _, did in items}
             assert len(decode_ids) == 1, "one decode worker per batch"
             sent.append((batch_id, worker_id, decode_ids.pop(), tuple(str(p) for p, _ in items)))

@@ -123,3 +123,78 @@ def test_a_lent_batch_is_at_most_max_tokens_and_a_long_prompt_is_never_lent() ->
     for i in range(6):
         d2.submit(req(i, prompt=600 if i == 5 else 128, out=16))
     assert not any(b.lent for b in d2.plan(0.0)), "a 600-token prompt is queued: no lending"
+
+
+# ---------------------------------------------------------------- cores lent to a prefill batch
+NEXT_DOOR = (("p0", ("d0",)),)  # d0 is pinned beside p0 on its node
+
+
+def test_a_lone_prompt_borrows_the_idle_decode_workers_cores_until_its_batch_is_done() -> None:
+    d = dispatcher(lending=ON, core_neighbours=NEXT_DOOR)
+    d.submit(req(0, prompt=128, out=16))
+    [first] = d.plan(0.0)
+    assert (first.prefill_id, first.decode_id, first.borrowed) == ("p0", "d0", ("d0",))
+    assert d.state()["core_shared_batches"] == 1 and d.state()["decode"]["d0"]["cores_lent"]
+    # A prompt that comes while d0's cores run that batch is not lent to d0 (the two would share a core): it
+    # queues behind the first on the prefill worker, which borrows nothing for it (it does not start at once).
+    d.submit(req(1, prompt=128, out=16))
+    [second] = d.plan(0.01)
+    assert (second.prefill_id, second.lent, second.borrowed) == ("p0", False, ())
+    d.batch_done("p0", first.batch_id)
+    assert not d.state()["decode"]["d0"]["cores_lent"]
+    # d0 now decodes r0 (and r1 is on its way): not idle, its cores stay its own.
+    d.batch_done("p0", second.batch_id)
+    d.submit(req(2, prompt=128, out=16))
+    [third] = d.plan(1.0)
+    assert third.borrowed == ()
+    for r in ("r0", "r1", "r2"):
+        d.forget(r)
+    d.batch_done("p0", third.batch_id)
+    d.submit(req(3, prompt=128, out=16))
+    [fourth] = d.plan(2.0)
+    assert fourth.borrowed == ("d0",), "idle again: lent again"
+    assert d.state()["core_shared_batches"] == 2
+
+
+def test_a_burst_runs_side_by_side_instead_of_borrowing() -> None:
+    # Borrowing only for a batch that leaves nothing queued: a burst keeps both workers running batches.
+    d = dispatcher(lending=ON, core_neighbours=NEXT_DOOR, max_batches_per_prefill_worker=1)
+    for i in range(4):
+        d.submit(req(i, prompt=256, out=16))
+    first, second = d.plan(0.0)
+    assert first.borrowed == () and second.lent
+
+
+@pytest.mark.parametrize(
+    ("policy", "neighbours"),
+    [
+        (LendingPolicy(enabled=True, share_cores=False), NEXT_DOOR),
+        (LendingPolicy(enabled=False), NEXT_DOOR),
+        (ON, ()),  # not on one node (or not pinned): nothing to share
+        (ON, (("p0", ("d1",)),)),  # the neighbour is another decode worker
+    ],
+)
+def test_cores_are_lent_only_when_enabled_and_next_door(policy, neighbours) -> None:
+    d = dispatcher(decode=2, lending=policy, core_neighbours=neighbours)
+    d.submit(req(0, prompt=128, out=16))
+    [batch] = d.plan(0.0)
+    assert batch.borrowed == () or batch.borrowed == ("d1",) and batch.decode_id != "d1"
+
+
+def test_a_decode_worker_that_holds_a_request_keeps_its_cores() -> None:
+    d = dispatcher(decode=2, lending=ON, core_neighbours=(("p0", ("d0", "d1")),))
+    d.submit(req(0, prompt=128, out=16))
+    [first] = d.plan(0.0)
+    assert set(first.borrowed) == {"d0", "d1"}
+    d.batch_done("p0", first.batch_id)
+    d.submit(req(1, prompt=128, out=16))
+    [second] = d.plan(1.0)
+    # r0 decodes on one of them: only the other lends.
+    assert second.borrowed == tuple(w for w in ("d0", "d1") if w != first.decode_id)
+
+
+def test_the_neighbours_are_validated() -> None:
+    with pytest.raises(ValueError, match="DispatcherConfig.core_neighbours"):
+        dispatcher(core_neighbours=(("p0", "d0"),))
+    with pytest.raises(ValueError, match="LendingPolicy.share_cores must be a bool"):
+        LendingPolicy(share_cores=1)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -16,6 +15,7 @@ from kv_transfer.config import is_wildcard
 from monitor import stages
 from monitor.records import WorkerStats
 from worker.config import WorkerConfig
+from worker.cores import pin_process
 from worker.heartbeat import Heartbeat, engine_worker_stats
 from worker.info import WorkerInfo
 from worker.messages import MessageRef, RequestMessage, resolve_messages
@@ -32,18 +32,6 @@ MESSAGE_FETCH_S = 10.0
 # The engine, torch and the transports are imported where a worker starts, not with this module: every process
 # that holds a worker's actor handle (the controller, each gateway replica) imports the actor's class module
 # when it receives the handle, and should not load torch and transformers for it (3 s of the controller's start).
-
-
-def pin_process(num_threads: int, cpu_affinity: tuple[int, ...]) -> None:
-    """Give this worker its own compute: torch threads, and the cores it may run on (Linux only)."""
-    import torch
-
-    torch.set_num_threads(num_threads)
-    if cpu_affinity and hasattr(os, "sched_setaffinity"):
-        usable = set(range(os.cpu_count() or 1))
-        cores = {c for c in cpu_affinity if c in usable}
-        if cores:
-            os.sched_setaffinity(0, cores)
 
 
 def lookup_actor(name: str | None, namespace: str | None = None):
@@ -67,7 +55,7 @@ class EngineWorker:
                 f"WorkerConfig.role must be {self.role!r} for a {type(self).__name__}, got {config.role!r}"
             )
         self.config = config
-        pin_process(config.num_threads, config.cpu_affinity)
+        self.cores = pin_process(config.num_threads, config.cpu_affinity)
         t0 = time.perf_counter()
         from engine.llm_engine import LLMEngine
 
@@ -161,6 +149,8 @@ class EngineWorker:
             device=e.device.name,
             dtype=e.config.dtype,
             shape_policy=e.config.shape_policy,
+            node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else "",
+            cores=self.cores,
         )
 
     def drain(self, consumer_id: str, timeout: float = 0.5, ack: int = -1) -> tuple[int, list[RequestOutput]]:

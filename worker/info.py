@@ -37,6 +37,10 @@ class WorkerInfo:
     shape_policy: str  # "flat" or "buckets"
     # Decode workers: where their KV receiver listens (prefill workers send there); None for other roles.
     address: str | None = None
+    # The Ray node the worker runs on, and the cores it is pinned to (empty: not pinned): which workers share a node's
+    # cores (a prefill worker borrows an idle decode worker's, bucket_manager/lending.py).
+    node_id: str = ""
+    cores: tuple[int, ...] = ()
 
 
 class DecodePeer(NamedTuple):

@@ -79,6 +79,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "workers are busy, and a burst is split over the idle workers",
     )
     p.add_argument(
+        "--share-cores",
+        default="on",
+        choices=["on", "off"],
+        help="disaggregated, with --elastic on: a prompt batch runs on the cores of the idle decode workers pinned "
+        "beside its prefill worker too (a lone prompt prefills on every core of the node)",
+    )
+    p.add_argument(
         "--online-order",
         default="arrival",
         choices=["arrival", "deadline", "sjf"],
@@ -313,6 +320,7 @@ def cluster_config_from_args(args: argparse.Namespace, detached: bool = False, q
         mode=args.mode,
         scheduling=args.scheduling,
         elastic=args.elastic == "on",
+        share_cores=args.share_cores == "on",
         policy=PriorityPolicy(online_order=args.online_order),
         prefill_workers=prefill_workers,
         decode_workers=decode_workers,

@@ -48,6 +48,10 @@ class ControllerConfig:
     # How often the monitor's figures are re-read, and the planner wakes when nothing happens.
     stats_refresh_s: float = 0.1
     plan_interval_s: float = 0.05
+    # With nothing queued (and no autoscaler), both happen this often instead: a new request wakes the planner at
+    # once anyway, and an idle cluster on a small host keeps its cores for the requests (ten reads of the monitor a
+    # second cost the two processes about 50 ms of CPU per second on a 2-core host).
+    idle_interval_s: float = 1.0
     # Figures older than this (the monitor is slow, hung or gone) are dropped: the planner then goes by its own
     # ledger of reservations alone, rather than by a worker's free blocks as they were long ago.
     stats_max_age_s: float = 2.0
@@ -100,6 +104,7 @@ class ControllerConfig:
         for name in (
             "stats_refresh_s",
             "plan_interval_s",
+            "idle_interval_s",
             "stats_max_age_s",
             "stats_first_wait_s",
             "recover_timeout_s",
@@ -110,6 +115,12 @@ class ControllerConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"ControllerConfig.{name} must be > 0, got {value!r}")
+        if self.idle_interval_s >= self.stats_max_age_s:
+            # An idle controller would otherwise call its own figures stale between two reads.
+            raise ValueError(
+                f"ControllerConfig.idle_interval_s must be below stats_max_age_s ({self.stats_max_age_s}), "
+                f"got {self.idle_interval_s!r}"
+            )
 
     def dispatcher_config(self) -> DispatcherConfig:
         """The planning part of this config: what the dispatcher is built from."""
@@ -484,10 +495,15 @@ class Controller:
         if self.dispatcher.mark_down(worker_id):
             logger.warning("worker %s is down; placing its work elsewhere", worker_id)
 
+    def _quiet(self) -> bool:
+        """Nothing to plan and no autoscaler to feed: the planner may wake and read the monitor less often."""
+        return not len(self.dispatcher.queue) and self._scaling is None
+
     async def _run(self) -> None:
         while True:
+            tick = self.config.idle_interval_s if self._quiet() else self.config.plan_interval_s
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.plan_interval_s)
+                await asyncio.wait_for(self._wake.wait(), tick)
             self._wake.clear()
             try:
                 self._refresh_stats()
@@ -502,7 +518,8 @@ class Controller:
         if self._monitor is None:
             return
         now = time.monotonic()
-        if self._stats_read is None and now - self._stats_asked >= self.config.stats_refresh_s:
+        refresh = self.config.idle_interval_s if self._quiet() else self.config.stats_refresh_s
+        if self._stats_read is None and now - self._stats_asked >= refresh:
             self._stats_asked = now
             self._stats_read = asyncio.get_running_loop().create_task(self._read_stats())
         age = now - self._stats_at

@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 # Copy-then-checksum granularity: small enough that the checksum reads the slice from the CPU's cache.
 _CRC_SLICE = 256 << 10
+# Put in the ready queue by wake(): never a request id (those are non-empty and printable).
+_WAKE = "\x00wake"
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -310,14 +312,22 @@ class KVReceiver:
         return TransferStatus.OK, True, ""
 
     # -- handing over, abort, expiry ------------------------------------------------------------
+    def wake(self) -> None:
+        """End a :meth:`take` that waits now (it returns None): its thread has other work (a lent prompt batch, an
+        abort), so it can wait long while idle without polling."""
+        self._ready.put(_WAKE)
+
     def take(self, timeout: float | None = None) -> ReceivedKV | None:
-        """Next completed transfer; the caller now owns its blocks (and frees them when done)."""
+        """Next completed transfer; the caller now owns its blocks (and frees them when done). None at the timeout,
+        or when :meth:`wake` is called."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 rid = self._ready.get(timeout=left)
             except queue.Empty:
+                return None
+            if rid == _WAKE:
                 return None
             with self.lock:
                 item = self._done.pop(rid, None)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -412,3 +413,18 @@ def test_receiver_frees_a_transfer_whose_sender_went_silent(backend: str) -> Non
     finally:
         sender.close()
         endpoint.close()
+
+
+def test_wake_ends_a_waiting_take_at_once() -> None:
+    # The decode worker waits long for a hand-off while idle; its other work (a lent batch, an abort) wakes it.
+    cache = KVCache(SPEC, 8, device="cpu")
+    transport = create_transport("local", cache, BlockAllocator(8), CFG)
+    try:
+        timer = threading.Timer(0.2, transport.receiver.wake)
+        timer.start()
+        t0 = time.monotonic()
+        assert transport.receive(30.0) is None
+        assert time.monotonic() - t0 < 10.0, "the wake did not end the wait"
+        assert transport.receive(0.05) is None, "one wake ends one wait"
+    finally:
+        transport.close()

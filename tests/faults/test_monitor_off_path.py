@@ -41,7 +41,9 @@ class _Worker:
         self.batches: list[list[str]] = []
         self.enqueue = SimpleNamespace(remote=self._enqueue)
 
-    def _enqueue(self, batch_id: int, items: list[tuple[object, str]], dispatched_at: float) -> None:
+    def _enqueue(
+        self, batch_id: int, items: list[tuple[object, str]], dispatched_at: float, borrow_cores: tuple = ()
+    ) -> None:
         self.batches.append([str(payload) for payload, _ in items])
 
 
@@ -86,6 +88,7 @@ def _config() -> ControllerConfig:
         max_batches_per_prefill_worker=64,
         stats_max_age_s=MAX_AGE_S,
         stats_first_wait_s=MAX_AGE_S,
+        idle_interval_s=MAX_AGE_S / 2,
     )
 
 

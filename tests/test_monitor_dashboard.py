@@ -89,6 +89,7 @@ def _busy_monitor() -> Monitor:
     mon.record_scaling("prefill", "down")
     mon.record_lent_batch("decode-0", 3)
     mon.record_lent_batch("decode-0", 2)
+    mon.record_core_lend("decode-0")
     return mon
 
 
@@ -130,8 +131,9 @@ def test_charts_draw_dashboard_data() -> None:
     assert data["scaling_events"]["prefill"] == {"up": 2, "down": 1}
     assert ">3</span>" in view["scaling"] and "prefill +2 / \u22121, decode +0 / \u22120" in view["scaling"]
     assert "1 / 2" in view["health-headline"]
-    assert data["lending"] == {"decode-0": {"batches": 2, "prompts": 5}}
+    assert data["lending"] == {"decode-0": {"batches": 2, "prompts": 5, "core_batches": 1}}
     assert ">2</span>" in view["lending"] and "(5 prompts)" in view["lending"]
+    assert "1 prefill batches ran on an idle decode worker's cores too" in view["lending"]
     stages = view["stages-table"]
     assert [m for m in re.findall(r'data-stage="(\w+)"', stages)] == [
         "admission",

@@ -690,13 +690,14 @@ class Controller:
                     batch.batch_id, list(batch.payloads), time.time()
                 )
                 continue
+            items = [(payload, batch.decode_id) for payload in batch.payloads]
+            cores = tuple(sorted({c for did in batch.borrowed for c in self._worker_cores.get(did, ())}))
+            self.handles[batch.prefill_id].enqueue.remote(batch.batch_id, items, time.time(), cores)
+            # After the batch is on its way: the monitor is not on the prompt's path.
             if batch.borrowed and self._monitor is not None:
                 with contextlib.suppress(Exception):
                     for did in batch.borrowed:
                         self._monitor.record_core_lend.remote(did)
-            items = [(payload, batch.decode_id) for payload in batch.payloads]
-            cores = tuple(sorted({c for did in batch.borrowed for c in self._worker_cores.get(did, ())}))
-            self.handles[batch.prefill_id].enqueue.remote(batch.batch_id, items, time.time(), cores)
 
     def _publish_buckets(self, queue: RequestBuckets) -> None:
         bounds = queue.bounds()

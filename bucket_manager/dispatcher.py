@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bucket_manager.batch_plan import BatchPlan, plan_batch
-from bucket_manager.lending import LendingPolicy, batch_token_budget, idle_core_lenders, lend_instead
+from bucket_manager.lending import LendingPolicy, batch_token_budget, lend_instead
 from bucket_manager.memory_budget import MemoryBudget, WorkerLoad, blocks_for, choose_workers
 from bucket_manager.priority import PriorityPolicy
 from bucket_manager.request import PriorityClass, RequestSummary
@@ -445,12 +445,16 @@ class Dispatcher:
         lending = self.config.lending
         if not (lending.enabled and lending.share_cores) or p.queue_len or left_queued:
             return ()
-        neighbours = self._neighbours.get(p.worker_id, ())
-        idle = {}
-        for did in neighbours:
-            w = self.decode.get(did)
-            idle[did] = w is not None and self._usable(w) and not w.reserved and not w.outstanding
-        return idle_core_lenders(neighbours, idle, self._lent_cores())
+        lent = self._lent_cores()
+        return tuple(
+            did
+            for did in self._neighbours.get(p.worker_id, ())
+            if (w := self.decode.get(did)) is not None
+            and self._usable(w)
+            and not w.reserved
+            and not w.outstanding
+            and did not in lent
+        )
 
     def _held(self, worker_id: str, now: float) -> bool:
         """The decode worker refused a request as full less than ``full_hold_s`` ago."""

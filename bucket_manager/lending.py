@@ -24,7 +24,6 @@ Pure functions over ints: no Ray, no torch, no clock.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -60,14 +59,6 @@ class LendingPolicy:
         """A decode worker decoding ``decoding`` requests and running ``lent_batches`` prompt batches may take one
         more."""
         return self.enabled and lent_batches == 0 and decoding <= self.max_running
-
-
-def idle_core_lenders(
-    neighbours: Sequence[str], idle: Mapping[str, bool], lent_to: Mapping[str, object]
-) -> tuple[str, ...]:
-    """The decode workers (of ``neighbours``, those pinned beside a prefill worker on its node) whose cores its next
-    batch may borrow: idle (``idle[id]``: it holds no request and no lent batch) and not lent to another batch."""
-    return tuple(d for d in neighbours if idle.get(d, False) and d not in lent_to)
 
 
 def lend_instead(prefill_queue_lens: list[int], lenders: int, longest_prompt: int, max_tokens: int) -> bool:

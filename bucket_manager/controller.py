@@ -301,6 +301,9 @@ class Controller:
         if summary.request_id in self.dispatcher:
             return  # sent again after a restart, or a retried call: already here
         self.dispatcher.submit(summary, payload)
+        # Planned here, not a turn of the loop later: a prompt that fits goes to its worker in this call. The
+        # planning loop still wakes (stats, autoscaling, what did not fit).
+        self._plan_now()
         self._wake.set()
 
     async def resubmit(self, requests: list[tuple[RequestSummary, object]]) -> int:
@@ -511,6 +514,12 @@ class Controller:
                 self._autoscale()
             except Exception:  # the planner must survive a bad figure or a dead worker
                 logger.exception("controller planning failed")
+
+    def _plan_now(self) -> None:
+        try:
+            self._plan_all()
+        except Exception:  # the caller's request is queued all the same; the loop plans it again
+            logger.exception("controller planning failed")
 
     def _refresh_stats(self) -> None:
         """Keep the monitor's figures fresh without ever waiting for them: planning goes on from the last figures

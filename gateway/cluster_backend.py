@@ -50,6 +50,10 @@ logger = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 10.0
 # How often each gateway asks which life of the controller answers (a restart is noticed within about this).
 CONTROLLER_WATCH_S = 0.5
+# Turns of the event loop a poller lets pass after handing outputs to their requests, before it sends its next drain
+# call: the request's task reads the output in the first, the HTTP handler that waited for a first token resumes in
+# the second.
+CONSUMER_TURNS = 2
 
 
 class _Stream:
@@ -509,6 +513,11 @@ class RayClusterBackend(ServingBackend):
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
                         stream.push(out)
+                if outs:
+                    # The requests' own tasks first (a first token goes out to its client in two turns of the loop):
+                    # sending the next drain call costs this loop about a millisecond of Ray's submission path.
+                    for _ in range(CONSUMER_TURNS):
+                        await asyncio.sleep(0)
         finally:
             if call is not None:
                 call.cancel()

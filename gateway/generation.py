@@ -322,16 +322,26 @@ async def until_disconnect(request: HTTPRequest, aw: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
         done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if work in done:
-            return work.result()
-        raise ClientGone()
-    finally:
+    except BaseException:
         await _cancel_and_wait([work, watcher])
+        raise
+    if work in done and not work.cancelled() and work.exception() is None:
+        # The common case, on the time to first token: the watcher only waits on the client, so it is cancelled
+        # and left to unwind on its own; waiting for that would cost the response a turn or two of the loop.
+        watcher.cancel()
+        return work.result()
+    await _cancel_and_wait([work, watcher])
+    if work in done:
+        return work.result()  # raises the work's own error
+    raise ClientGone()
 
 
 async def each(gens: list[Generation], step: Callable[[Generation], Awaitable[None]]) -> None:
     """Run ``step`` (``Generation.prime``, ``Generation.collect``) on every generation at once; the first
     failure cancels the others."""
+    if len(gens) == 1:  # no task of its own: one turn of the event loop less before the first token goes out
+        await step(gens[0])
+        return
     tasks = [asyncio.ensure_future(step(g)) for g in gens]
     try:
         await asyncio.gather(*tasks)

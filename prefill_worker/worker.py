@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 BLOCK_WAIT_S = 30.0
 # How long a decode worker whose KV port failed may take to answer on Ray before it is reported down.
 PEER_CHECK_S = 5.0
+# The most the loop waits for the gateways' waiting drain calls to take a batch's first tokens (they take them in
+# well under a millisecond once they run; a gateway that is not waiting is not waited for).
+FIRST_TOKEN_HAND_OVER_S = 0.005
 
 
 class PrefillWorker(EngineWorker):
@@ -205,7 +208,11 @@ class PrefillWorker(EngineWorker):
         marks = {stages.FORWARD_START: start, stages.FORWARD_END: start + ms / 1e3}
         if dispatched_at is not None:
             marks[stages.DISPATCHED] = dispatched_at
-        self.outputs.put_many((m.consumer_id, o.marked(marks)) for (m, _), _, o in kept)
+        # Handed over before this thread goes on (the batch's record, the KV send): the drain calls that carry the
+        # first tokens to the gateways run on this worker's core too.
+        self.outputs.put_many(
+            ((m.consumer_id, o.marked(marks)) for (m, _), _, o in kept), hand_over_s=FIRST_TOKEN_HAND_OVER_S
+        )
         self._record_batch(reqs)  # after the first tokens are out: the monitor is not on their way
         sends = []
         for (msg, decode_id), r, _ in kept:

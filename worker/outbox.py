@@ -27,6 +27,7 @@ class _Consumer:
     unacked: list[RequestOutput] = field(default_factory=list)
     seq: int = 0
     last_drain: float = field(default_factory=time.monotonic)
+    parked: int = 0  # drain calls waiting for outputs now
 
 
 # A gateway drains every worker without pause (each call waits at most a second or so); one silent for this long
@@ -37,7 +38,9 @@ CONSUMER_TTL_S = 120.0
 
 class OutputBuffers:
     def __init__(self, consumer_ttl_s: float = CONSUMER_TTL_S) -> None:
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # outputs arrived (drains wait on it)
+        self._taken = threading.Condition(lock)  # a drain took outputs (a hand-over waits on it)
         self._consumers: dict[str, _Consumer] = {}
         self._ttl_s = consumer_ttl_s
         self._swept = time.monotonic()
@@ -45,15 +48,22 @@ class OutputBuffers:
     def put(self, consumer_id: str, outputs: Iterable[RequestOutput]) -> None:
         self.put_many((consumer_id, o) for o in outputs)
 
-    def put_many(self, routed: Iterable[tuple[str, RequestOutput]]) -> None:
+    def put_many(self, routed: Iterable[tuple[str, RequestOutput]], hand_over_s: float = 0.0) -> None:
+        """Add outputs for their consumers. ``hand_over_s`` > 0: then wait, at most that long, until the drain
+        calls already waiting for these outputs have taken them. A producer that shares its cores (and Python's
+        lock) with the drain calls would otherwise go on with its next work while the outputs wait for a turn."""
         with self._cond:
-            any_put = False
+            got: dict[str, _Consumer] = {}
             for consumer_id, out in routed:
-                self._consumers.setdefault(consumer_id, _Consumer()).new.append(out)
-                any_put = True
-            if any_put:
+                c = got.get(consumer_id) or self._consumers.setdefault(consumer_id, _Consumer())
+                c.new.append(out)
+                got[consumer_id] = c
+            if got:
                 self._cond.notify_all()
             self._drop_gone()
+            waiting = [c for c in got.values() if c.parked]
+            if hand_over_s > 0 and waiting:
+                self._taken.wait_for(lambda: not any(c.new for c in waiting), timeout=hand_over_s)
 
     def _drop_gone(self) -> None:
         """Forget the consumers that stopped draining (caller holds the lock); a sweep at most every few seconds."""
@@ -70,6 +80,12 @@ class OutputBuffers:
                 len(dropped.new) + len(dropped.unacked),
             )
 
+    def parked(self, consumer_id: str) -> int:
+        """Drain calls of ``consumer_id`` waiting for outputs now."""
+        with self._cond:
+            c = self._consumers.get(consumer_id)
+            return c.parked if c is not None else 0
+
     def consumers(self) -> list[str]:
         with self._cond:
             return list(self._consumers)
@@ -83,9 +99,15 @@ class OutputBuffers:
             if ack == c.seq:
                 c.unacked = []
             if not c.unacked and not c.new:
-                self._cond.wait_for(lambda: bool(c.new), timeout=timeout)
+                c.parked += 1
+                try:
+                    self._cond.wait_for(lambda: bool(c.new), timeout=timeout)
+                finally:
+                    c.parked -= 1
                 if ack == c.seq:  # another call may have answered meanwhile
                     c.unacked = []
+            if c.new:
+                self._taken.notify_all()
             c.unacked = c.unacked + c.new
             c.new = []
             c.seq += 1

@@ -55,9 +55,8 @@ class OutputBuffers:
         with self._cond:
             got: dict[str, _Consumer] = {}
             for consumer_id, out in routed:
-                c = got.get(consumer_id) or self._consumers.setdefault(consumer_id, _Consumer())
+                c = got[consumer_id] = self._consumers.setdefault(consumer_id, _Consumer())
                 c.new.append(out)
-                got[consumer_id] = c
             if got:
                 self._cond.notify_all()
             self._drop_gone()

@@ -23,7 +23,7 @@ from bench.server_process import ServerProcess, free_port, wait_healthy
 pytestmark = pytest.mark.slow
 
 
-def serve_tiny(port: int, *extra: str) -> list[str]:
+def serve_tiny(port: int, *extra: str, max_model_len: int = 256) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -33,7 +33,7 @@ def serve_tiny(port: int, *extra: str) -> list[str]:
         "--port",
         str(port),
         "--max-model-len",
-        "256",
+        str(max_model_len),
         *extra,
     ]
 
@@ -129,7 +129,10 @@ def test_direct_ingress_answers_on_the_port_from_the_replica(tmp_path: Path, hf_
     """``--direct-ingress on``: the gateway replica itself listens on --port (Serve's proxy elsewhere, unused); greedy
     completions, streamed and not, equal Hugging Face's; Ctrl-C still drains and stops cleanly."""
     port = free_port()
-    server = ServerProcess(serve_tiny(port, "--direct-ingress", "on"), {}, tmp_path / "serve.log")
+    # Room for a long answer: the disconnect below must come while the request still decodes.
+    server = ServerProcess(
+        serve_tiny(port, "--direct-ingress", "on", max_model_len=1024), {}, tmp_path / "serve.log"
+    )
     base = f"http://127.0.0.1:{port}"
     prompt = [17, 300, 42, 9, 1000, 5]
     try:
@@ -166,7 +169,8 @@ def test_direct_ingress_answers_on_the_port_from_the_replica(tmp_path: Path, hf_
         bad = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": "ten"}, timeout=30)
         assert bad.status_code == 400 and "max_tokens" in bad.text, bad.text
         # A client that goes away mid-stream frees its KV (Serve's own server sees the disconnect, not its proxy).
-        long = {"prompt": list(range(100, 160)), "max_tokens": 180, "ignore_eos": True, "stream": True}
+        # The workers report their KV in heartbeats (every 0.5 s), so the request must outlive a few of them.
+        long = {"prompt": list(range(100, 160)), "max_tokens": 960, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=60) as c, c.stream("POST", f"{base}/v1/completions", json=long) as r:
             assert r.status_code == 200
             seen = 0
@@ -174,11 +178,23 @@ def test_direct_ingress_answers_on_the_port_from_the_replica(tmp_path: Path, hf_
                 seen += line.startswith("data: ")
                 if seen >= 5:
                     break
+            deadline = time.monotonic() + 3
+            while not sum(kv_used(base).values()) and time.monotonic() < deadline:
+                time.sleep(0.1)
             assert sum(kv_used(base).values()) > 0, "the request should hold KV while it streams"
         deadline = time.monotonic() + 20
         while sum(kv_used(base).values()) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert sum(kv_used(base).values()) == 0, kv_used(base)
+        metrics = httpx.get(f"{base}/metrics", timeout=30).text
+        aborted = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("bucketserve:request_failure_total{") and 'finished_reason="abort"' in line
+        ]
+        assert aborted and float(aborted[0].rsplit(" ", 1)[1]) == 1, (
+            "the request should end aborted, not finish"
+        )
     finally:
         server.stop()
     log = server.log_path.read_text(errors="replace")

@@ -169,19 +169,20 @@ def test_direct_ingress_answers_on_the_port_from_the_replica(tmp_path: Path, hf_
         bad = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": "ten"}, timeout=30)
         assert bad.status_code == 400 and "max_tokens" in bad.text, bad.text
         # A client that goes away mid-stream frees its KV (Serve's own server sees the disconnect, not its proxy).
-        # The workers report their KV in heartbeats (every 0.5 s), so the request must outlive a few of them.
+        # A 960-token answer decodes for seconds here. The KV is read while the stream is still open: leaving the
+        # loop over `iter_lines()` closes the connection, and the workers report their KV only every 0.5 s.
         long = {"prompt": list(range(100, 160)), "max_tokens": 960, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=60) as c, c.stream("POST", f"{base}/v1/completions", json=long) as r:
             assert r.status_code == 200
+            stream_lines = r.iter_lines()
             seen = 0
-            for line in r.iter_lines():
-                seen += line.startswith("data: ")
-                if seen >= 5:
-                    break
+            while seen < 5:
+                seen += next(stream_lines).startswith("data: ")
             deadline = time.monotonic() + 3
             while not sum(kv_used(base).values()) and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert sum(kv_used(base).values()) > 0, "the request should hold KV while it streams"
+            stream_lines.close()  # the client goes away
         deadline = time.monotonic() + 20
         while sum(kv_used(base).values()) and time.monotonic() < deadline:
             time.sleep(0.5)

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from gateway_helpers import sse_events
 from listening_sockets import command_line, listeners, session_members
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_process import ServerProcess, free_port, wait_healthy
 
@@ -187,14 +188,16 @@ def test_direct_ingress_answers_on_the_port_from_the_replica(tmp_path: Path, hf_
         while sum(kv_used(base).values()) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert sum(kv_used(base).values()) == 0, kv_used(base)
-        metrics = httpx.get(f"{base}/metrics", timeout=30).text
+        families = text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=30).text)
         aborted = [
-            line
-            for line in metrics.splitlines()
-            if line.startswith("bucketserve:request_failure_total{") and 'finished_reason="abort"' in line
+            sample
+            for family in families
+            for sample in family.samples
+            if sample.name == "bucketserve:request_failure_total"
+            and sample.labels["finished_reason"] == "abort"
         ]
         # One series per priority class: the request is counted in exactly one of them.
-        assert sum(float(line.rsplit(" ", 1)[1]) for line in aborted) == 1, (
+        assert sum(sample.value for sample in aborted) == 1, (
             f"the request should end aborted, not finish: {aborted}"
         )
     finally:

@@ -42,7 +42,7 @@ from monitor import stages
 from monitor.records import RequestRecord
 from worker.actor import EngineWorker
 from worker.info import WorkerInfo
-from worker.messages import MessageRef, RequestMessage
+from worker.messages import MessageRef, RequestMessage, payload_of
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class _Stream:
         self.worker: ActorHandle[EngineWorker] | None = None  # colocated mode: the worker that runs it
         self.worker_name: str | None = None
         self.message: RequestMessage | None = None  # disaggregated mode: what was submitted to the controller
-        self.payload: MessageRef | None = None  # ... and where its message waits for the worker that runs it
+        self.payload: RequestMessage | MessageRef | None = None  # ... and what the controller passes on
 
     def push(self, out: RequestOutput) -> None:
         n = len(out.new_token_ids)
@@ -230,8 +230,9 @@ class RayClusterBackend(ServingBackend):
             await handle.submit.remote(msg)
             return
         stream.message = msg  # sent again should the controller restart before it dispatched the request
-        # The controller gets the summary and a reference: the prompt goes to the worker that runs it only.
-        stream.payload = MessageRef.put(msg)
+        # The controller plans with the summary and passes the payload on unread: the message itself for a prompt
+        # that fits a call, else a reference into the object store (the prompt then goes to the worker only).
+        stream.payload = payload_of(msg)
         await self.handles.controller.submit.remote(msg.summary(), stream.payload)
 
     async def _release(self, rid: str) -> None:

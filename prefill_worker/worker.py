@@ -95,7 +95,7 @@ class PrefillWorker(EngineWorker):
         """A batch planned by the controller: (request, decode worker id) pairs, run after those queued;
         ``dispatched_at``: when the controller sent it (Unix seconds), stamped on the first tokens;
         ``borrow_cores``: cores of idle decode workers beside this one that its forward pass may run on too. Each
-        request's message is fetched here from its gateway's object store (the controller passes references)."""
+        request's message comes with the call, or is fetched here from its gateway's object store (a long prompt)."""
         msgs = self._fetch_messages([p for p, _ in items])
         items = [(m, d) for m, (_, d) in zip(msgs, items, strict=True) if m is not None]
         with self._cond:

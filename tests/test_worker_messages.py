@@ -1,13 +1,21 @@
 """The messages that carry a request between processes: the prefilled request as a KV transfer's commit (plain
 JSON, read back exactly, refused by name when it is not one), and the gateway's messages fetched from Ray's object
-store by the worker that runs them (a message that cannot be had comes back as None, the others intact)."""
+store by the worker that runs them (a message that cannot be had comes back as None, the others intact); a short
+prompt's message rides with the calls itself."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.request import SamplingParams
-from worker.messages import MessageRef, PrefilledMessage, RequestMessage, resolve_messages
+from worker.messages import (
+    INLINE_PROMPT_TOKENS,
+    MessageRef,
+    PrefilledMessage,
+    RequestMessage,
+    payload_of,
+    resolve_messages,
+)
 
 
 def _message(rid: str = "r1", prompt: tuple[int, ...] = (5, 6, 7)) -> RequestMessage:
@@ -75,3 +83,12 @@ def test_messages_are_fetched_from_the_object_store_and_a_missing_one_is_none(ra
     got = resolve_messages([mine, missing, theirs, plain], timeout=1)
     assert got == [_message("mine"), None, _message("theirs"), plain]
     ray.kill(owner)
+
+
+def test_a_short_prompt_rides_inline_and_a_long_one_waits_in_the_object_store(ray_session) -> None:
+    short = _message("short", tuple(range(INLINE_PROMPT_TOKENS)))
+    long = _message("long", tuple(range(INLINE_PROMPT_TOKENS + 1)))
+    assert payload_of(short) is short
+    ref = payload_of(long)
+    assert isinstance(ref, MessageRef) and ref.request_id == "long"
+    assert resolve_messages([ref, short], timeout=5) == [long, short]

@@ -95,6 +95,37 @@ def test_continuous_batching_short_requests_join_and_finish_first(backends, mode
     assert_no_leaks(asyncio.run(wait_idle(backend)))
 
 
+def test_messages_inline_and_through_the_object_store_both_match_hf(backends, hf_reference, monkeypatch):
+    """Prompts above the inline limit go to the prefill worker as references into the gateway's object store, the
+    others ride with the controller's calls: both ways give HF's tokens and leave no block behind. (The limit is
+    lowered here so the tiny cluster's prompts take both ways; the gateway picks the way in this process.)"""
+    import worker.messages as messages
+
+    backend = backends["disaggregated"]
+    monkeypatch.setattr(messages, "INLINE_PROMPT_TOKENS", 64)
+    put = messages.MessageRef.put
+    by_ref: list[str] = []
+
+    def counted(msg):
+        by_ref.append(msg.request_id)
+        return put(msg)
+
+    monkeypatch.setattr(messages.MessageRef, "put", counted)
+    reqs = [make_request(f"way{i}", n, 8, seed=5) for i, n in enumerate((20, 64, 65, 180, 40, 120))]
+
+    async def run():
+        return await asyncio.gather(*(collect(backend, r) for r in reqs))
+
+    results = asyncio.run(run())
+    assert sorted(by_ref) == ["way2", "way3", "way5"]
+    for req, got in zip(reqs, results, strict=True):
+        assert got.error is None, got.error
+        assert got.tokens == hf_reference("tiny", "cpu").greedy(req.prompt_token_ids, 8, ignore_eos=True), (
+            req.request_id
+        )
+    assert_no_leaks(asyncio.run(wait_idle(backend)))
+
+
 def test_memory_burst_waits_and_completes_without_leaks(backends):
     backend = backends["disaggregated"]
     # Each needs 12 blocks on the decode worker (150 + 40 tokens); 14 of them need 168 of 48 blocks.

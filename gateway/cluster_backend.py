@@ -20,6 +20,7 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
+import pickle
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -43,6 +44,7 @@ from monitor.records import RequestRecord
 from worker.actor import EngineWorker
 from worker.info import WorkerInfo
 from worker.messages import MessageRef, RequestMessage, payload_of
+from worker.output_socket import connect_output_socket, encode_hello
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,9 @@ CONTROLLER_WATCH_S = 0.5
 # chunk is written). With 2 turns the drain call came first: 40 streamed requests on a 2-core host, alternating, took
 # 7.3-7.7 ms p50 from the prefill worker's output to the client's first chunk, against 6.6-7.0 ms with 8.
 CONSUMER_TURNS = 8
+# After a worker's output socket closed (the worker restarted, or fell back to the drain under a burst the socket
+# could not buffer), or could not be reached: wait this long before attaching again; the drain carries meanwhile.
+REATTACH_S = 1.0
 
 
 class _Stream:
@@ -116,6 +121,10 @@ class RayClusterBackend(ServingBackend):
         self._streams: dict[str, _Stream] = {}
         self._pollers: list[asyncio.Task] = []
         self._worker_pollers: dict[str, asyncio.Task] = {}  # worker id -> its drain loop
+        self._socket_readers: dict[
+            str, asyncio.Task
+        ] = {}  # worker id on this node -> its output socket's reader
+        self._node_id = ray.get_runtime_context().get_node_id()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._down: set[str] = set()
         self._background: set[asyncio.Task] = set()
@@ -339,10 +348,11 @@ class RayClusterBackend(ServingBackend):
 
     async def shutdown(self) -> None:
         self._closed = True
-        for t in [*self._pollers, *self._worker_pollers.values()]:
+        for t in [*self._pollers, *self._worker_pollers.values(), *self._socket_readers.values()]:
             t.cancel()
         self._pollers = []
         self._worker_pollers = {}
+        self._socket_readers = {}
         if self.handles.launched:
             await asyncio.get_running_loop().run_in_executor(None, stop_cluster, self.handles)
 
@@ -356,6 +366,7 @@ class RayClusterBackend(ServingBackend):
         # A fresh context: created inside a request, the tasks would inherit its Ray Serve request context, and
         # Serve cancels the Ray calls of a request whose client disconnects (the drains of every stream).
         self._worker_pollers = {}
+        self._socket_readers = {}
         for n, w in self.handles.workers.items():
             self._start_poller(n, w.handle)
         self._pollers = []
@@ -365,6 +376,16 @@ class RayClusterBackend(ServingBackend):
     def _start_poller(self, name: str, handle: ActorHandle[EngineWorker]) -> None:
         loop = asyncio.get_running_loop()
         self._worker_pollers[name] = loop.create_task(self._poll(name, handle), context=contextvars.Context())
+        if self.config.local_outputs:
+            self._socket_readers[name] = loop.create_task(
+                self._read_socket(name, handle), context=contextvars.Context()
+            )
+
+    def _stop_poller(self, name: str) -> None:
+        for tasks in (self._worker_pollers, self._socket_readers):
+            task = tasks.pop(name, None)
+            if task is not None:
+                task.cancel()
 
     async def _sync_members(self) -> None:
         """Follow the autoscaler: read from the workers the controller added, stop reading from those it removed
@@ -381,9 +402,7 @@ class RayClusterBackend(ServingBackend):
             self._start_poller(name, handle)
             logger.info("worker %s (%s) joined the cluster", name, role)
         for name in [n for n in self.handles.workers if n not in members]:
-            task = self._worker_pollers.pop(name, None)
-            if task is not None:
-                task.cancel()
+            self._stop_poller(name)
             self.handles.workers.pop(name)
             self._acks.pop(name, None)
             self._down.discard(name)
@@ -475,6 +494,39 @@ class RayClusterBackend(ServingBackend):
                     )
                 )
 
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.push(out)
+
+    async def _read_socket(self, name: str, handle: ActorHandle[EngineWorker]) -> None:
+        """Outputs of a worker on this node, from its output socket (``worker/output_socket.py``) as they are put.
+        The worker's drain loop runs beside this one: it watches the worker's life and carries whatever the socket
+        did not; the streams put the two in token order. Returns for a worker on another node."""
+        while not self._closed:
+            writer = None
+            try:
+                node, path = await asyncio.wait_for(handle.output_channel.remote(), CALL_TIMEOUT_S)
+                if node != self._node_id:
+                    return
+                reader, writer = await asyncio.open_unix_connection(sock=connect_output_socket(path))
+                writer.write(encode_hello(self.consumer_id))
+                await writer.drain()
+                logger.info("worker %s is on this node: reading its outputs from its local socket", name)
+                while True:
+                    size = int.from_bytes(await reader.readexactly(4), "big")
+                    self._deliver(pickle.loads(await reader.readexactly(size)))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                # The worker died or restarted (its drain loop deals with that), or wrote to the drain instead.
+                logger.debug("output socket of worker %s: %s: %s", name, type(e).__name__, e)
+            finally:
+                if writer is not None:
+                    writer.close()
+            await asyncio.sleep(REATTACH_S)
+
     async def _poll(self, name: str, handle: ActorHandle[EngineWorker]) -> None:
         timeout = self.config.worker_timeout_s
         call: asyncio.Future | None = None  # the drain call in flight
@@ -512,10 +564,7 @@ class RayClusterBackend(ServingBackend):
                     )
                     await asyncio.sleep(0.1)
                     continue
-                for out in outs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        stream.push(out)
+                self._deliver(outs)
                 if outs:
                     # The requests' own tasks first (see CONSUMER_TURNS): sending the next drain call costs this loop
                     # about a millisecond of Ray's submission path.

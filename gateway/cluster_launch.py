@@ -91,6 +91,9 @@ class ClusterConfig:
     worker_max_restarts: int = 3
     # Long-poll timeout of the gateway's output drain calls.
     drain_timeout_s: float = 0.5
+    # A gateway takes the outputs of the workers on its own node from their output sockets (worker/output_socket.py),
+    # milliseconds sooner than the drain reply; False: every output comes by drain.
+    local_outputs: bool = True
     # A worker whose drain call has not answered for this long is hung (alive, but its actor does not answer): the
     # gateway declares it down, as it does a dead one, and its requests end with an error. A drain answers within
     # drain_timeout_s when the worker is well, whatever its load.
@@ -121,6 +124,8 @@ class ClusterConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ClusterConfig.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.local_outputs, bool):
+            raise ValueError(f"ClusterConfig.local_outputs must be a bool, got {self.local_outputs!r}")
         if not isinstance(self.worker_max_restarts, int) or self.worker_max_restarts < 0:
             raise ValueError(
                 f"ClusterConfig.worker_max_restarts must be an int >= 0, got {self.worker_max_restarts!r}"

@@ -27,10 +27,13 @@ MODES = ("disaggregated", "colocated")
 
 @pytest.fixture(scope="module")
 def backends(ray_session):
-    # The device's default shape policy (flat tokens on CPU) in each mode, and the padded bucket policy beside it.
+    # The device's default shape policy (flat tokens on CPU) in each mode, and the padded bucket policy beside it;
+    # the latter's gateways take every output by drain (no local output sockets), so both ways out are run.
     made = {mode: RayClusterBackend(cluster_config(mode, f"t-{mode}")) for mode in MODES}
     for mode in MODES:
-        made[mode, "buckets"] = RayClusterBackend(cluster_config(mode, f"t-{mode}-b", shape_policy="buckets"))
+        made[mode, "buckets"] = RayClusterBackend(
+            cluster_config(mode, f"t-{mode}-b", shape_policy="buckets", local_outputs=False)
+        )
     yield made
     for b in made.values():
         asyncio.run(b.shutdown())
@@ -65,6 +68,11 @@ def test_greedy_matches_hf_for_16_concurrent_mixed_requests(backends, mode, poli
     stats = asyncio.run(wait_idle(backend))
     assert_no_leaks(stats)
     assert {s["shape_policy"] for s in stats.values()} == {policy}
+    by_socket = sum(s["outputs_by_socket"] for s in stats.values())
+    if policy == "flat":  # same node: the tokens came by the workers' output sockets
+        assert by_socket > 0, stats
+    else:  # local outputs off: every token came by drain
+        assert by_socket == 0 and sum(s["outputs_by_drain"] for s in stats.values()) > 0, stats
     if mode == "disaggregated":  # the KV went layer by layer while each prefill ran (on in these clusters)
         assert sum(s.get("streamed_transfers", 0) for s in stats.values()) > 0, stats
         assert [s["kv_layer_streaming"] for s in stats.values() if "kv_layer_streaming" in s] == [True], stats

@@ -20,6 +20,7 @@ from worker.heartbeat import Heartbeat, engine_worker_stats
 from worker.info import WorkerInfo
 from worker.messages import MessageRef, RequestMessage, resolve_messages
 from worker.outbox import OutputBuffers
+from worker.output_socket import OutputSocketServer
 
 if TYPE_CHECKING:
     from kv_transfer import KVTransport
@@ -63,6 +64,8 @@ class EngineWorker:
         self.engine = LLMEngine(config.engine)
         self.startup_s = time.perf_counter() - t0
         self.outputs = OutputBuffers()
+        # Gateways on this node take their outputs from here rather than from the drain reply (faster by ms).
+        self.output_socket = OutputSocketServer(self.outputs, config.worker_id)
         self._closed = threading.Event()
         self._latency_ms: float | None = None
         self._integrity_error: str | None = None
@@ -157,6 +160,11 @@ class EngineWorker:
         """Every output for this consumer not yet acknowledged; waits up to ``timeout`` when there is none."""
         return self.outputs.drain(consumer_id, timeout, ack)
 
+    def output_channel(self) -> tuple[str, str]:
+        """``(node id, path)`` of this worker's output socket: a gateway on the same node attaches there."""
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        return node, self.output_socket.path
+
     def stats(self) -> dict:
         a = self.engine.allocator
         return {
@@ -169,6 +177,8 @@ class EngineWorker:
             "integrity_error": self._integrity_error,
             "runtime_compilations": self.engine.runner.runtime_compilations,
             "shape_policy": self.engine.config.shape_policy,
+            "outputs_by_socket": self.outputs.sent_by_socket,
+            "outputs_by_drain": self.outputs.sent_by_drain,
             **self.engine.stats,
         }
 
@@ -176,6 +186,8 @@ class EngineWorker:
         self._closed.set()
         self.heartbeat.close()
         self.outputs.wake()
+        self.output_socket.close()
+        self.outputs.close()
 
     # ------------------------------------------------------------------ helpers
     def _timed_step(self) -> list[RequestOutput]:

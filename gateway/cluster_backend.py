@@ -121,9 +121,8 @@ class RayClusterBackend(ServingBackend):
         self._streams: dict[str, _Stream] = {}
         self._pollers: list[asyncio.Task] = []
         self._worker_pollers: dict[str, asyncio.Task] = {}  # worker id -> its drain loop
-        self._socket_readers: dict[
-            str, asyncio.Task
-        ] = {}  # worker id on this node -> its output socket's reader
+        # Worker id (a worker on this node) -> the reader of its output socket.
+        self._socket_readers: dict[str, asyncio.Task] = {}
         self._node_id = ray.get_runtime_context().get_node_id()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._down: set[str] = set()

@@ -59,7 +59,7 @@ def _attached(buffers: OutputBuffers, consumer_id: str) -> bool:
 @pytest.fixture
 def served():
     buffers = OutputBuffers()
-    server = OutputSocketServer(buffers, "test")
+    server = OutputSocketServer(buffers.attach, "test")
     yield buffers, server
     server.close()
     buffers.close()
@@ -164,7 +164,7 @@ def test_a_connection_that_does_not_name_its_consumer_is_refused_and_the_server_
 
 def test_a_closed_server_takes_no_connection():
     buffers = OutputBuffers()
-    server = OutputSocketServer(buffers, "test")
+    server = OutputSocketServer(buffers.attach, "test")
     server.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with pytest.raises(OSError):

@@ -65,7 +65,7 @@ class EngineWorker:
         self.startup_s = time.perf_counter() - t0
         self.outputs = OutputBuffers()
         # Gateways on this node take their outputs from here rather than from the drain reply (faster by ms).
-        self.output_socket = OutputSocketServer(self.outputs, config.worker_id)
+        self.output_socket = OutputSocketServer(self.outputs.attach, config.worker_id)
         self._closed = threading.Event()
         self._latency_ms: float | None = None
         self._integrity_error: str | None = None

@@ -31,8 +31,9 @@ import uuid
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from engine.request import RequestOutput
-    from worker.outbox import OutputBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -89,13 +90,14 @@ def _peer_uid(conn: socket.socket) -> int | None:
 
 
 class OutputSocketServer:
-    """Listens on a Unix socket and attaches each connecting gateway to ``buffers`` under the consumer id it sends.
+    """Listens on a Unix socket and hands each connecting gateway's connection to ``attach(consumer id, socket)``
+    (``OutputBuffers.attach``), under the consumer id it sends.
 
     On Linux the socket has an abstract name (nothing left on disk when a killed worker cannot clean up) and a
     connection from another user is refused; elsewhere it lives in a private directory (mode 0700)."""
 
-    def __init__(self, buffers: OutputBuffers, name: str = "worker") -> None:
-        self._buffers = buffers
+    def __init__(self, attach: Callable[[str, socket.socket], None], name: str = "worker") -> None:
+        self._attach = attach
         self._dir: str | None = None
         if sys.platform == "linux":
             self.path = f"\0bucketserve-out-{uuid.uuid4().hex}"
@@ -134,7 +136,7 @@ class OutputSocketServer:
                 logger.warning("output socket: refused a connection: %s", e)
                 conn.close()
                 continue
-            self._buffers.attach(consumer_id, conn)
+            self._attach(consumer_id, conn)
 
     def close(self) -> None:
         if self._closed.is_set():

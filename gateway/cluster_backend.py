@@ -20,7 +20,6 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
-import pickle
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -44,7 +43,7 @@ from monitor.records import RequestRecord
 from worker.actor import EngineWorker
 from worker.info import WorkerInfo
 from worker.messages import MessageRef, RequestMessage, payload_of
-from worker.output_socket import connect_output_socket, encode_hello
+from worker.output_socket import connect_output_socket, encode_hello, read_frame
 
 logger = logging.getLogger(__name__)
 
@@ -514,8 +513,7 @@ class RayClusterBackend(ServingBackend):
                 await writer.drain()
                 logger.info("worker %s is on this node: reading its outputs from its local socket", name)
                 while True:
-                    size = int.from_bytes(await reader.readexactly(4), "big")
-                    self._deliver(pickle.loads(await reader.readexactly(size)))
+                    self._deliver(await read_frame(reader))
             except asyncio.CancelledError:
                 raise
             except Exception as e:

@@ -14,6 +14,7 @@ import uvloop
 from engine.request import RequestOutput
 from worker.outbox import OutputBuffers
 from worker.output_socket import OutputSocketServer, connect_output_socket, encode_hello
+from worker.output_socket import read_frame as read_frame_async
 
 
 def out(rid: str, n: int) -> RequestOutput:
@@ -94,8 +95,7 @@ def test_a_gateways_event_loop_attaches_and_reads_frames(served, loop):
         while not _attached(buffers, "gw"):
             await asyncio.sleep(0.005)
         buffers.put("gw", [out("a", 0), out("b", 0)])
-        size = int.from_bytes(await reader.readexactly(4), "big")
-        got = pickle.loads(await reader.readexactly(size))
+        got = await read_frame_async(reader)
         writer.close()
         return [o.request_id for o in got]
 

@@ -17,6 +17,7 @@ a frame loses only that frame on the gateway's side; its outputs go to the drain
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -48,6 +49,13 @@ SEND_BUFFER_BYTES = 4 << 20
 def encode_frame(outputs: list[RequestOutput]) -> bytes:
     body = pickle.dumps(outputs, protocol=pickle.HIGHEST_PROTOCOL)
     return len(body).to_bytes(4, "big") + body
+
+
+async def read_frame(reader: asyncio.StreamReader) -> list[RequestOutput]:
+    """The next frame of outputs on a gateway's connection; IncompleteReadError at the end of the stream, also in
+    the middle of a frame (whose outputs the worker sends by drain instead)."""
+    size = int.from_bytes(await reader.readexactly(4), "big")
+    return pickle.loads(await reader.readexactly(size))
 
 
 def encode_hello(consumer_id: str) -> bytes:

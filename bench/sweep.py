@@ -106,6 +106,16 @@ def _burstiness(text: str) -> float:
     return value
 
 
+def _offline_slo_scale(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--offline-slo-scale takes a number, got {text!r}") from None
+    if not 1 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"--offline-slo-scale must be a finite number >= 1, got {text!r}")
+    return value
+
+
 def register(sub) -> None:
     from bench.workloads import WORKLOADS
 
@@ -127,6 +137,14 @@ def register(sub) -> None:
         default=None,
         metavar="ONLINE:OFFLINE",
         help="class weights of the requests, e.g. 1:1 (default: every request online)",
+    )
+    p.add_argument(
+        "--offline-slo-scale",
+        type=_offline_slo_scale,
+        default=1.0,
+        metavar="F",
+        help="with --priority-mix: offline requests meet their SLO within F times the TTFT and TPOT bounds "
+        "(default 1: one SLO for every request)",
     )
     p.add_argument("--model", default="small")
     p.add_argument(
@@ -185,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
             problem = f"--client vllm runs vLLM's random dataset: give --workload random, not {args.workload}"
         elif args.priority_mix:
             problem = "--client vllm sends one class of requests: --priority-mix does not apply"
+        elif args.offline_slo_scale != 1.0:
+            problem = "--client vllm sends one class of requests: --offline-slo-scale does not apply"
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2
@@ -259,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
         "num_prompts": args.num_prompts,
         "burstiness": args.burstiness,
         "priority_mix": args.priority_mix,
+        "offline_slo_scale": args.offline_slo_scale,
         "model": args.model,
         "seed": args.seed,
         "target": args.target,

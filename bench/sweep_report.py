@@ -79,8 +79,11 @@ def markdown(doc: dict[str, Any]) -> str:
             if cfg.get("burstiness", 1.0) == 1.0
             else f"gamma gaps of shape {cfg['burstiness']:g} (bursts)"
         )
+        + (f"; classes online:offline {cfg['priority_mix']}." if cfg.get("priority_mix") else "; all online.")
         + (
-            f"; classes online:offline {cfg['priority_mix']}." if cfg.get("priority_mix") else "; all online."
+            f" Offline requests meet their SLO within {cfg['offline_slo_scale']:g}x both bounds."
+            if cfg.get("offline_slo_scale", 1.0) != 1.0
+            else ""
         ),
         "",
         f"## Highest rate with >= {target:.0%} attainment (req/s)",

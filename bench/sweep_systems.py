@@ -100,6 +100,19 @@ async def measure_unloaded(
     }
 
 
+def offline_slos(requests: list[Any], ttft_slo: float, tpot_slo: float, scale: float) -> list[Any]:
+    """The requests with the offline ones judged on bounds ``scale`` times looser: throughput-oriented work that
+    must still start and finish within a bound, but not an interactive one. Online requests keep the run's SLOs."""
+    if scale == 1.0:
+        return requests
+    return [
+        replace(r, slo_ttft_ms=ttft_slo * scale, slo_tpot_ms=tpot_slo * scale)
+        if r.priority == "offline"
+        else r
+        for r in requests
+    ]
+
+
 def _load_point(
     args: argparse.Namespace,
     base: str,
@@ -133,7 +146,7 @@ def _load_point(
     result = asyncio.run(
         run_benchmark(
             base,
-            make(rate),
+            offline_slos(make(rate), ttft_slo, tpot_slo, args.offline_slo_scale),
             model=args.model,
             slo_ttft_ms=ttft_slo,
             slo_tpot_ms=tpot_slo,

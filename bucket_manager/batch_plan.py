@@ -5,7 +5,8 @@ the starvation guard says it is due), then takes that bucket's requests in prior
 
 * fits the safe KV blocks of its prefill worker and of its decode worker,
 * stays within ``max_num_batched_tokens`` real tokens and the largest warmed prefill batch size, and
-* pads onto a warmed prompt shape.
+* pads onto a warmed prompt shape, and
+* keeps to one range of lengths once past a short batch's tokens (``PriorityPolicy.joins``).
 
 It stops at the first request that does not fit rather than skipping it, so the head of the order is never
 overtaken and cannot starve. If the first request alone does not fit the memory, there is no plan (wait for
@@ -95,6 +96,17 @@ def _candidates(
     return chain(own, queue.ordered(index, other))
 
 
+def first_request(
+    queue: RequestBuckets, policy: PriorityPolicy, now: float, online_streak: int = 0
+) -> RequestSummary | None:
+    """The request the next :func:`plan_batch` puts first (None when the queue is empty)."""
+    choice = _choose_bucket(queue, policy, now, online_streak)
+    if choice is None:
+        return None
+    cls, index, first, _ = choice
+    return first if first is not None else next(_candidates(queue, index, cls, None, policy))
+
+
 def plan_batch(
     queue: RequestBuckets,
     shapes: ShapeBuckets,
@@ -115,6 +127,7 @@ def plan_batch(
     largest = shapes.max_prompt_batch_size
     ids: list[str] = []
     tokens = longest = prefill_blocks = decode_blocks = 0
+    shortest = 0
     shape: Bucket | None = None
     for request in _candidates(queue, index, cls, first, policy):
         count = len(ids) + 1
@@ -122,6 +135,8 @@ def plan_batch(
         new_prefill = prefill_blocks + budget.prefill_need(request.prompt_len)
         new_decode = decode_blocks + budget.decode_need(request.prompt_len, request.max_tokens)
         if new_prefill > budget.prefill_blocks or new_decode > budget.decode_blocks:
+            break
+        if ids and not policy.joins(tokens, shortest, longest, request.prompt_len):
             break
         new_longest = max(longest, request.prompt_len)
         new_shape = shapes.find_prompt(count, new_longest, 0)
@@ -134,6 +149,7 @@ def plan_batch(
                 (request.request_id,), cls, index, None, new_tokens, 0, new_prefill, new_decode, by_guard
             )
         ids.append(request.request_id)
+        shortest = min(shortest, request.prompt_len) if shortest else request.prompt_len
         tokens, longest, prefill_blocks, decode_blocks, shape = (
             new_tokens,
             new_longest,

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from bucket_manager.batch_plan import BatchPlan, plan_batch
+from bucket_manager.batch_plan import BatchPlan, first_request, plan_batch
 from bucket_manager.lending import LendingPolicy, batch_token_budget, lend_instead
 from bucket_manager.memory_budget import MemoryBudget, WorkerLoad, blocks_for, choose_workers
 from bucket_manager.priority import PriorityPolicy
@@ -130,6 +130,8 @@ class Dispatcher:
         self.config = config
         self.shapes = ShapeBuckets(config.shape_config)
         self.fcfs = config.scheduling == "fcfs"
+        # FCFS batches take requests in arrival order up to the budget, whatever their lengths.
+        self.policy = dataclasses.replace(config.policy, short_batch_tokens=0) if self.fcfs else config.policy
         self.queue = RequestBuckets(
             config.max_model_len,
             self.shapes.prompt_query_lens,
@@ -378,7 +380,7 @@ class Dispatcher:
             ]
             lending = self.config.lending
             tokens = self.config.max_num_batched_tokens
-            longest = 0
+            longest = head = 0
             lenders: list[WorkerLoad] = []
             if lending.enabled:
                 decoding = self._decoding()
@@ -396,9 +398,11 @@ class Dispatcher:
                 longest = self.queue.longest_prompt()
                 runners = len(self.usable("prefill")) + len(may_run)
                 tokens = batch_token_budget(queued_at_start, longest, runners, tokens)
+                first = first_request(self.queue, self.policy, now, self.online_streak)
+                head = first.prompt_len if first is not None else 0
             if not decode or not (prefill or lenders):
                 break
-            if lend_instead([w.queue_len for w in prefill], len(lenders), longest, lending.max_tokens):
+            if lend_instead([w.queue_len for w in prefill], len(lenders), head, lending.max_tokens):
                 # Every prefill worker already holds a batch: a decode worker with slack prefills this one itself.
                 p = d = max(lenders, key=lambda w: (w.free_blocks, w.worker_id))
                 tokens = min(tokens, lending.max_tokens)
@@ -420,7 +424,7 @@ class Dispatcher:
                 self.max_request_buckets = max(self.max_request_buckets, self.queue.num_buckets)
             if self.on_buckets is not None:
                 self.on_buckets(self.queue)
-            plan = plan_batch(self.queue, self.shapes, budget, self.config.policy, now, self.online_streak)
+            plan = plan_batch(self.queue, self.shapes, budget, self.policy, now, self.online_streak)
             if plan is None:
                 break  # the most urgent request does not fit yet: wait for blocks to come back
             # Before this batch reserves on its decode worker (which may be the idle lender).

@@ -61,12 +61,14 @@ class LendingPolicy:
         return self.enabled and lent_batches == 0 and decoding <= self.max_running
 
 
-def lend_instead(prefill_queue_lens: list[int], lenders: int, longest_prompt: int, max_tokens: int) -> bool:
+def lend_instead(prefill_queue_lens: list[int], lenders: int, first_prompt: int, max_tokens: int) -> bool:
     """Whether the next batch goes to a lending decode worker rather than a prefill worker with room: when every
-    prefill worker already holds a batch (the prompt would wait behind it), a decode worker may lend, and every
-    queued prompt fits a lent batch (a longer one waits for a prefill worker rather than stall the decodes)."""
+    prefill worker already holds a batch (the prompt would wait behind it), a decode worker may lend, and the
+    batch's first prompt (``first_prompt`` tokens, the head of the queue's order) fits a lent batch; a longer one
+    waits for a prefill worker rather than stall the decodes, while short prompts queued behind other long ones
+    still go to the lender, in a batch of at most ``max_tokens``."""
     busy = not prefill_queue_lens or min(prefill_queue_lens) > 0
-    return lenders > 0 and busy and longest_prompt <= max_tokens
+    return lenders > 0 and busy and first_prompt <= max_tokens
 
 
 def batch_token_budget(queued_prompt_tokens: int, longest_prompt: int, runners: int, cap: int) -> int:

@@ -37,6 +37,11 @@ class PriorityPolicy:
     # Fill room left in a batch with the other class's requests from the same bucket: same padded shape,
     # so they ride along almost for free.
     fill_with_other_class: bool = True
+    # A batch grows past this many prompt tokens only with prompts within 2x of its shortest and longest: a long
+    # prompt does not join a batch of short ones (their first tokens would all wait for its prefill), nor a short one
+    # a long one's batch (it may run beside it on a lending decode worker instead); each runs among its own lengths.
+    # 0: batches grow to the token budget whatever the lengths (the FCFS baseline).
+    short_batch_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.online_order not in ONLINE_ORDERS:
@@ -49,6 +54,12 @@ class PriorityPolicy:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if (
+            not isinstance(self.short_batch_tokens, int)
+            or isinstance(self.short_batch_tokens, bool)
+            or self.short_batch_tokens < 0
+        ):
+            raise ValueError(f"short_batch_tokens must be an int >= 0, got {self.short_batch_tokens!r}")
         if not isinstance(self.online_batches_per_offline, int) or self.online_batches_per_offline < 1:
             raise ValueError(
                 f"online_batches_per_offline must be an int >= 1, got {self.online_batches_per_offline!r}"
@@ -64,6 +75,13 @@ class PriorityPolicy:
             return (request.priority, request.arrival)
         length = request.prompt_len if self.offline_order == "sjf" else -request.prompt_len
         return (request.priority, length, request.arrival)
+
+    def joins(self, batch_tokens: int, shortest: int, longest: int, prompt_len: int) -> bool:
+        """Whether a prompt of ``prompt_len`` tokens may join a batch of ``batch_tokens`` prompt tokens whose prompts
+        are ``shortest`` to ``longest`` long, by their lengths alone."""
+        if not self.short_batch_tokens or batch_tokens + prompt_len <= self.short_batch_tokens:
+            return True
+        return max(longest, prompt_len) <= 2 * min(shortest, prompt_len)
 
     def online_is_overdue(self, oldest_online_arrival: float | None, now: float) -> bool:
         """Shortest-first only: whether the oldest online request has waited long enough to go first."""

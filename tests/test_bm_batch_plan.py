@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bucket_manager.batch_plan import plan_batch
+from bucket_manager.batch_plan import first_request, plan_batch
 from bucket_manager.memory_budget import (
     MemoryBudget,
     ModelGeometry,
@@ -150,6 +150,37 @@ def test_aging_and_share_serve_offline_despite_online_load():
     assert plan_batch(q, SHAPES, budget(), share, now=0.0, online_streak=3).priority_class is OFFLINE
     never = PriorityPolicy(starvation_guard="none", fill_with_other_class=False)
     assert plan_batch(make_queue(reqs, never), SHAPES, budget(), never, now=1e9).priority_class is ONLINE
+
+
+def test_a_batch_keeps_to_one_range_of_lengths_past_a_short_batch():
+    policy = PriorityPolicy()
+    assert policy.joins(100, 50, 50, 400), "within short_batch_tokens any length joins"
+    assert not policy.joins(200, 50, 150, 900), "a long prompt does not join short ones"
+    assert not policy.joins(900, 900, 900, 40), "nor a short one a long one's batch"
+    assert policy.joins(900, 900, 900, 700) and not policy.joins(900, 900, 900, 1900)
+    assert PriorityPolicy(short_batch_tokens=0).joins(200, 50, 150, 900), "0: lengths do not matter"
+    with pytest.raises(ValueError, match="short_batch_tokens must be an int >= 0"):
+        PriorityPolicy(short_batch_tokens=-1)
+    # In arrival order: two short prompts, a longer one, then a short one again (a small short batch keeps the
+    # test's padded shapes inside the token budget).
+    policy = PriorityPolicy(short_batch_tokens=128)
+    reqs = [RequestSummary(f"r{i}", n, 8, ONLINE, arrival=float(i)) for i, n in enumerate((60, 90, 300, 40))]
+    q = make_queue(reqs, policy)
+    plan = plan_batch(q, SHAPES, budget(), policy, now=5.0)
+    assert plan is not None and plan.request_ids == ("r0", "r1"), (
+        "the long prompt would hold their first tokens"
+    )
+    assert first_request(q, policy, now=5.0).request_id == "r0"
+    for rid in plan.request_ids:
+        q.remove(rid)
+    plan = plan_batch(q, SHAPES, budget(), policy, now=5.0)
+    assert plan is not None and plan.request_ids == ("r2",), (
+        "the short one after it waits rather than ride along"
+    )
+    fcfs = PriorityPolicy(short_batch_tokens=0)
+    plan = plan_batch(make_queue(reqs, fcfs), SHAPES, budget(), fcfs, now=5.0)
+    assert plan is not None and plan.request_ids == ("r0", "r1", "r2", "r3")
+    assert first_request(make_queue([], policy), policy, now=0.0) is None
 
 
 def test_no_plan_when_the_first_request_does_not_fit_memory():

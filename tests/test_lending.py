@@ -119,10 +119,25 @@ def test_a_lent_batch_is_at_most_max_tokens_and_a_long_prompt_is_never_lent() ->
         d.submit(req(i, prompt=128, out=16))
     first, lent = d.plan(0.0)
     assert lent.lent and len(lent.request_ids) == 2, "256 tokens: two 128-token prompts"
+    # A long prompt first in order is never lent, and the short ones behind it wait their turn.
     d2 = dispatcher(lending=ON, max_batches_per_prefill_worker=1)
-    for i in range(6):
-        d2.submit(req(i, prompt=600 if i == 5 else 128, out=16))
-    assert not any(b.lent for b in d2.plan(0.0)), "a 600-token prompt is queued: no lending"
+    d2.submit(req(0, prompt=128, out=16))
+    d2.submit(req(1, prompt=600, out=16))
+    for i in range(2, 6):
+        d2.submit(req(i, prompt=128, out=16))
+    [first] = d2.plan(0.0)
+    assert first.request_ids == ("r0",) and not first.lent, "a batch stays among its own lengths"
+    assert d2.plan(0.0) == [], "r1 (600 tokens) heads the order: it waits for the prefill worker"
+    # Short prompts ahead of a long one in the order go to the lender while the prefill worker is busy.
+    d3 = dispatcher(lending=ON, max_batches_per_prefill_worker=1)
+    d3.submit(req(0, prompt=600, out=16))
+    for i in range(1, 5):
+        d3.submit(req(i, prompt=128, out=16))
+    d3.submit(req(5, prompt=900, out=16))
+    on_prefill, lent = d3.plan(0.0)
+    assert on_prefill.request_ids == ("r0",) and not on_prefill.lent
+    assert lent.lent and lent.request_ids == ("r1", "r2", "r3", "r4"), "512 tokens of short prompts"
+    assert "r5" in d3.queue, "the 900-token prompt waits for the prefill worker"
 
 
 # ---------------------------------------------------------------- cores lent to a prefill batch

@@ -15,9 +15,10 @@ import pytest
 
 from bench.metrics import RateAtTarget, rate_at_target, ratio
 from bench.server_process import ServerProcess
-from bench.sweep import _burstiness, _rates, _systems, derive_slos
+from bench.sweep import _burstiness, _offline_slo_scale, _rates, _systems, derive_slos
 from bench.sweep_report import SystemRun, build_doc, write_sweep_report
-from bench.sweep_systems import median_request, system_command
+from bench.sweep_systems import median_request, offline_slos, system_command
+from bench.workload_requests import BenchRequest
 
 # --------------------------------------------------------------------------- rate at the target
 
@@ -117,6 +118,18 @@ def test_rates_and_systems_parse() -> None:
             _burstiness(bad)
 
 
+def test_offline_requests_may_be_judged_on_looser_bounds() -> None:
+    assert _offline_slo_scale("5") == 5.0
+    for bad in ("0.5", "inf", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--offline-slo-scale"):
+            _offline_slo_scale(bad)
+    reqs = [BenchRequest("a", 10, 8, 0.0, priority=c) for c in ("online", "offline", None)]
+    assert offline_slos(reqs, 600.0, 80.0, 1.0) == reqs
+    online, offline, unclassed = offline_slos(reqs, 600.0, 80.0, 5.0)
+    assert (offline.slo_ttft_ms, offline.slo_tpot_ms) == (3000.0, 400.0)
+    assert online == reqs[0] and unclassed == reqs[2], "online and unclassed requests keep the run's SLOs"
+
+
 def test_system_commands() -> None:
     args = argparse.Namespace(
         model="small",
@@ -208,6 +221,10 @@ def test_report_files_tables_and_plot(tmp_path: Path) -> None:
     bursty = build_doc({**config, "burstiness": 0.25, "priority_mix": "1:1"}, slo, _runs(), [])
     bursty_md = write_sweep_report(tmp_path / "bursty", bursty)["md"].read_text()
     assert "gamma gaps of shape 0.25 (bursts); classes online:offline 1:1." in bursty_md
+    assert "Offline requests" not in bursty_md
+    two_slos = build_doc({**config, "priority_mix": "1:1", "offline_slo_scale": 5.0}, slo, _runs(), [])
+    two_md = write_sweep_report(tmp_path / "two", two_slos)["md"].read_text()
+    assert "Offline requests meet their SLO within 5x both bounds." in two_md
     assert "outputs up to 128 tokens; load from bench.client;" in md
     outside = build_doc({**config, "workload": "random", "client": "vllm bench serve"}, slo, _runs(), [])
     outside_md = write_sweep_report(tmp_path / "outside", outside)["md"].read_text()

@@ -27,7 +27,7 @@ Key = tuple[float, ...]
 
 @dataclass(frozen=True)
 class PriorityPolicy:
-    online_order: str = "arrival"
+    online_order: str = "sjf"
     offline_order: str = "sjf"
     starvation_guard: str = "aging"
     max_offline_wait_s: float = 30.0

@@ -81,7 +81,7 @@ def test_online_goes_first_by_arrival_or_deadline():
         RequestSummary("early-loose", 900, 8, ONLINE, arrival=1.0, ttft_slo_ms=5000),
         RequestSummary("offline", 50, 8, OFFLINE, arrival=0.0),
     ]
-    by_arrival = PriorityPolicy(fill_with_other_class=False)
+    by_arrival = PriorityPolicy(online_order="arrival", fill_with_other_class=False)
     q = make_queue(reqs, by_arrival)
     q.adjust(1)  # split so lengths land in different buckets
     plan = plan_batch(q, SHAPES, budget(), by_arrival, now=3.0)
@@ -107,8 +107,8 @@ def test_online_shortest_first_and_its_aging_guard():
     # Once it has waited max_online_wait_s, the long one goes first.
     plan = plan_batch(q, SHAPES, budget(), policy, now=10.0)
     assert plan is not None and plan.by_guard and plan.request_ids[0] == "long"
-    # Arrival order (the default) would have served it first from the start.
-    by_arrival = PriorityPolicy(fill_with_other_class=False)
+    # Arrival order would have served it first from the start.
+    by_arrival = PriorityPolicy(online_order="arrival", fill_with_other_class=False)
     q = make_queue(reqs, by_arrival)
     q.adjust(4)
     assert plan_batch(q, SHAPES, budget(), by_arrival, now=0.0).request_ids[0] == "long"
@@ -163,7 +163,7 @@ def test_a_batch_keeps_to_one_range_of_lengths_past_a_short_batch():
         PriorityPolicy(short_batch_tokens=-1)
     # In arrival order: two short prompts, a longer one, then a short one again (a small short batch keeps the
     # test's padded shapes inside the token budget).
-    policy = PriorityPolicy(short_batch_tokens=128)
+    policy = PriorityPolicy(online_order="arrival", short_batch_tokens=128)
     reqs = [RequestSummary(f"r{i}", n, 8, ONLINE, arrival=float(i)) for i, n in enumerate((60, 90, 300, 40))]
     q = make_queue(reqs, policy)
     plan = plan_batch(q, SHAPES, budget(), policy, now=5.0)
@@ -177,7 +177,7 @@ def test_a_batch_keeps_to_one_range_of_lengths_past_a_short_batch():
     assert plan is not None and plan.request_ids == ("r2",), (
         "the short one after it waits rather than ride along"
     )
-    fcfs = PriorityPolicy(short_batch_tokens=0)
+    fcfs = PriorityPolicy(online_order="arrival", short_batch_tokens=0)
     plan = plan_batch(make_queue(reqs, fcfs), SHAPES, budget(), fcfs, now=5.0)
     assert plan is not None and plan.request_ids == ("r0", "r1", "r2", "r3")
     assert first_request(make_queue([], policy), policy, now=0.0) is None
@@ -191,7 +191,7 @@ def test_no_plan_when_the_first_request_does_not_fit_memory():
 
 
 def test_padding_is_reported():
-    policy = PriorityPolicy()
+    policy = PriorityPolicy(online_order="arrival")
     q = make_queue(
         [RequestSummary("a", 100, 8, ONLINE), RequestSummary("b", 30, 8, ONLINE, arrival=1.0)], policy
     )

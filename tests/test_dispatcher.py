@@ -10,6 +10,7 @@ import pytest
 
 from bucket_manager.dispatcher import Dispatcher, DispatcherConfig
 from bucket_manager.memory_budget import blocks_for
+from bucket_manager.priority import PriorityPolicy
 from bucket_manager.request import PriorityClass, RequestSummary
 from bucket_manager.shape_buckets import ShapeBucketConfig
 
@@ -66,7 +67,7 @@ def test_batch_done_frees_the_prompt_blocks_and_forget_the_decode_blocks() -> No
 
 
 def test_a_prefill_worker_holds_at_most_its_batch_limit() -> None:
-    d = dispatcher(max_batches_per_prefill_worker=2)
+    d = dispatcher(max_batches_per_prefill_worker=2, policy=PriorityPolicy(online_order="arrival"))
     # Prompts of very different lengths never share a batch (no common warmed shape).
     for i, n in enumerate([10, 1500, 300]):
         d.submit(req(i, prompt=n))

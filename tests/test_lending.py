@@ -8,9 +8,11 @@ from test_dispatcher import BS, dispatcher, req
 
 from bucket_manager.lending import LendingPolicy, batch_token_budget, lend_instead
 from bucket_manager.memory_budget import blocks_for
+from bucket_manager.priority import PriorityPolicy
 
 ON = LendingPolicy(enabled=True)
 STRICT = LendingPolicy(enabled=True, max_running=0)  # lends only while it decodes nothing
+BY_ARRIVAL = PriorityPolicy(online_order="arrival")
 
 
 def test_only_an_enabled_policy_lends_and_only_within_its_guard() -> None:
@@ -120,7 +122,7 @@ def test_a_lent_batch_is_at_most_max_tokens_and_a_long_prompt_is_never_lent() ->
     first, lent = d.plan(0.0)
     assert lent.lent and len(lent.request_ids) == 2, "256 tokens: two 128-token prompts"
     # A long prompt first in order is never lent, and the short ones behind it wait their turn.
-    d2 = dispatcher(lending=ON, max_batches_per_prefill_worker=1)
+    d2 = dispatcher(lending=ON, max_batches_per_prefill_worker=1, policy=BY_ARRIVAL)
     d2.submit(req(0, prompt=128, out=16))
     d2.submit(req(1, prompt=600, out=16))
     for i in range(2, 6):
@@ -129,7 +131,7 @@ def test_a_lent_batch_is_at_most_max_tokens_and_a_long_prompt_is_never_lent() ->
     assert first.request_ids == ("r0",) and not first.lent, "a batch stays among its own lengths"
     assert d2.plan(0.0) == [], "r1 (600 tokens) heads the order: it waits for the prefill worker"
     # Short prompts ahead of a long one in the order go to the lender while the prefill worker is busy.
-    d3 = dispatcher(lending=ON, max_batches_per_prefill_worker=1)
+    d3 = dispatcher(lending=ON, max_batches_per_prefill_worker=1, policy=BY_ARRIVAL)
     d3.submit(req(0, prompt=600, out=16))
     for i in range(1, 5):
         d3.submit(req(i, prompt=128, out=16))

@@ -87,9 +87,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--online-order",
-        default="arrival",
+        default="sjf",
         choices=["arrival", "deadline", "sjf"],
-        help="buckets scheduling: order of online requests (sjf: shortest prompt first, oldest after 10 s)",
+        help="buckets scheduling: order of online requests (sjf, the default: shortest prompt first, the oldest "
+        "first once it has waited 10 s; arrival; TTFT deadline)",
     )
     p.add_argument(
         "--prefill-workers",

@@ -8,7 +8,8 @@ first (most requests per second) or longest job first (most tokens per second). 
 wins, offline work needs a guard: ``aging`` serves the oldest offline request first once it has waited
 ``max_offline_wait_s``; ``share`` gives offline work one batch after every ``online_batches_per_offline``
 online batches while both are queued. The integer ``priority`` of a request (smaller first) comes before all
-of these inside its class.
+of these inside its class. Past ``short_batch_tokens`` a batch keeps to prompts within 2x of each other
+(:meth:`PriorityPolicy.joins`), so no prompt waits for the prefill of one much longer than itself.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ Key = tuple[float, ...]
 
 @dataclass(frozen=True)
 class PriorityPolicy:
-    online_order: str = "sjf"
+    online_order: str = "arrival"
     offline_order: str = "sjf"
     starvation_guard: str = "aging"
     max_offline_wait_s: float = 30.0

@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--colocated-workers", type=int, default=1)
     p.add_argument("--no-request-buckets", action="store_true", help="baseline: one FCFS queue, no splits")
     p.add_argument(
-        "--online-order", choices=("arrival", "deadline", "sjf"), default="sjf", help="as serve's flag"
+        "--online-order", choices=("arrival", "deadline", "sjf"), default="arrival", help="as serve's flag"
     )
     p.add_argument("--workload", choices=WORKLOADS, default="mixed")
     p.add_argument("--rates", type=_rates, default=[1.0, 2.0, 4.0, 8.0], help="comma-separated req/s")

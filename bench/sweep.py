@@ -96,24 +96,24 @@ def _systems(text: str) -> list[str]:
     return sorted(dict.fromkeys(names), key=lambda s: s != REFERENCE)
 
 
-def _burstiness(text: str) -> float:
+def _finite_number(text: str, flag: str, low: float, inclusive: bool) -> float:
+    """``text`` as a finite number above ``low`` (or at it, when ``inclusive``); errors name ``flag``."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--burstiness takes a number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"--burstiness must be a finite number > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"{flag} takes a number, got {text!r}") from None
+    if not ((value >= low) if inclusive else (value > low)) or value == float("inf"):
+        bound = f"{'>=' if inclusive else '>'} {low:g}"
+        raise argparse.ArgumentTypeError(f"{flag} must be a finite number {bound}, got {text!r}")
     return value
+
+
+def _burstiness(text: str) -> float:
+    return _finite_number(text, "--burstiness", 0, inclusive=False)
 
 
 def _offline_slo_scale(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--offline-slo-scale takes a number, got {text!r}") from None
-    if not 1 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"--offline-slo-scale must be a finite number >= 1, got {text!r}")
-    return value
+    return _finite_number(text, "--offline-slo-scale", 1, inclusive=True)
 
 
 def register(sub) -> None:

@@ -398,8 +398,9 @@ class Dispatcher:
                 longest = self.queue.longest_prompt()
                 runners = len(self.usable("prefill")) + len(may_run)
                 tokens = batch_token_budget(queued_at_start, longest, runners, tokens)
-                first = first_request(self.queue, self.policy, now, self.online_streak)
-                head = first.prompt_len if first is not None else 0
+                if lenders:  # the head of the order decides whether the next batch is lent
+                    first = first_request(self.queue, self.policy, now, self.online_streak)
+                    head = first.prompt_len if first is not None else 0
             if not decode or not (prefill or lenders):
                 break
             if lend_instead([w.queue_len for w in prefill], len(lenders), head, lending.max_tokens):

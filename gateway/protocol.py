@@ -565,10 +565,15 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+# Characters that Python's str.splitlines (and clients built on it, httpx's iter_lines among them) take for line
+# breaks although SSE does not; pydantic writes them raw inside JSON strings, where their escapes mean the same.
+_LINE_BREAKS_IN_JSON = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: BaseModel | dict[str, Any]) -> str:
-    """One server-sent event carrying a JSON object."""
+    """One server-sent event carrying a JSON object, on one line for every line splitter."""
     body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {body}\n\n"
+    return f"data: {body.translate(_LINE_BREAKS_IN_JSON)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

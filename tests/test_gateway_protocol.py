@@ -168,3 +168,20 @@ def test_the_gateway_tokenizer_equals_autotokenizers_and_loads_without_torch(tmp
     assert through_auto == []
     assert gateway_tokenizer(str(other))("Hello").input_ids == auto("Hello").input_ids
     assert through_auto == [str(other)]
+
+
+def test_an_event_stays_one_line_for_clients_that_split_on_unicode_line_breaks() -> None:
+    from pydantic import BaseModel
+
+    from gateway.protocol import sse
+
+    text = "a\u2028b\x85c\u2029d é"
+    event = sse({"text": text})
+    # json.dumps escapes them already; the pydantic path writes them raw unless sse escapes them.
+    class Chunk(BaseModel):
+        text: str
+
+    for e in (event, sse(Chunk(text=text))):
+        line, *rest = e.splitlines()
+        assert rest == [""], f"split at a Unicode line break: {e!r}"
+        assert json.loads(line.removeprefix("data: "))["text"] == text

@@ -177,6 +177,7 @@ def test_an_event_stays_one_line_for_clients_that_split_on_unicode_line_breaks()
 
     text = "a\u2028b\x85c\u2029d é"
     event = sse({"text": text})
+
     # json.dumps escapes them already; the pydantic path writes them raw unless sse escapes them.
     class Chunk(BaseModel):
         text: str

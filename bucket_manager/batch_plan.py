@@ -1,7 +1,8 @@
 """Forming one prefill batch: a pure function of the queue, the warmed shapes, the memory figures and the policy.
 
 :func:`plan_batch` picks a request bucket (the one holding the most urgent online request, or offline work when
-the starvation guard says it is due), then takes that bucket's requests in priority order while the batch still
+the starvation guard says it is due), then takes that bucket's requests in priority order (online requests that
+can still meet their TTFT before those that cannot, ``PriorityPolicy.late_last``) while the batch still
 
 * fits the safe KV blocks of its prefill worker and of its decode worker,
 * stays within ``max_num_batched_tokens`` real tokens and the largest warmed prefill batch size, and
@@ -16,14 +17,14 @@ unpadded and counts a compilation. The plan names the requests; the caller remov
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain
 
 from bucket_manager.memory_budget import MemoryBudget
 from bucket_manager.priority import PriorityPolicy
 from bucket_manager.request import PriorityClass, RequestSummary
-from bucket_manager.request_buckets import RequestBuckets
+from bucket_manager.request_buckets import Key, RequestBuckets
 from bucket_manager.shape_buckets import Bucket, ShapeBuckets
 
 
@@ -47,7 +48,7 @@ class BatchPlan:
 
 
 def _choose_bucket(
-    queue: RequestBuckets, policy: PriorityPolicy, now: float, online_streak: int
+    queue: RequestBuckets, policy: PriorityPolicy, now: float, online_streak: int, pace: float
 ) -> tuple[PriorityClass, int, RequestSummary | None, bool] | None:
     """(class, bucket index, request to put first, chosen by the guard) or None when nothing is queued."""
     oldest_offline = queue.oldest(PriorityClass.OFFLINE)
@@ -59,24 +60,36 @@ def _choose_bucket(
         if oldest_online is not None and policy.online_is_overdue(oldest_online.arrival, now):
             index = queue.bucket_index(oldest_online.prompt_len)
             return PriorityClass.ONLINE, index, oldest_online, True
-        online = _most_urgent(queue, PriorityClass.ONLINE)
+        online = _most_urgent(queue, PriorityClass.ONLINE, policy, now, pace)
         if online is not None:
             return PriorityClass.ONLINE, online, None, False
     if oldest_offline is None:
         return None
     if due and policy.starvation_guard == "aging":
         return PriorityClass.OFFLINE, queue.bucket_index(oldest_offline.prompt_len), oldest_offline, True
-    index = _most_urgent(queue, PriorityClass.OFFLINE)
+    index = _most_urgent(queue, PriorityClass.OFFLINE, policy, now, pace)
     assert index is not None  # an offline request exists
     return PriorityClass.OFFLINE, index, None, due
 
 
-def _most_urgent(queue: RequestBuckets, cls: PriorityClass) -> int | None:
-    best = None
+def _most_urgent(
+    queue: RequestBuckets, cls: PriorityClass, policy: PriorityPolicy, now: float, pace: float
+) -> int | None:
+    """The bucket whose first request (by lateness, then the class's order) comes first over all buckets."""
+    best: tuple[tuple[bool, Key], int] | None = None
     for i in range(queue.num_buckets):
         head = queue.head(i, cls)
-        if head is not None and (best is None or head[0] < best[0]):
-            best = (head[0], i)
+        if head is None:
+            continue
+        rank = (policy.is_late(head[1], now, pace), head[0])
+        if rank[0]:
+            # The head is late: the bucket competes with its first on-time request, if it has one (under arrival
+            # order the late ones are mostly the oldest, so the walk is short).
+            on_time = next((r for r in queue.ordered(i, cls) if not policy.is_late(r, now, pace)), None)
+            if on_time is not None:
+                rank = (False, queue.key_of(on_time.request_id))
+        if best is None or rank < best[0]:
+            best = (rank, i)
     return None if best is None else best[1]
 
 
@@ -86,25 +99,41 @@ def _candidates(
     cls: PriorityClass,
     first: RequestSummary | None,
     policy: PriorityPolicy,
+    now: float,
+    pace: float,
 ) -> Iterator[RequestSummary]:
-    own = queue.ordered(index, cls)
+    own: Iterable[RequestSummary] = queue.ordered(index, cls)
+    if policy.late_last and cls is PriorityClass.ONLINE:
+        # On-time requests first, then the late ones, each in the class's order (two lazy walks of the heap).
+        own = chain(
+            (r for r in queue.ordered(index, cls) if not policy.is_late(r, now, pace)),
+            (r for r in queue.ordered(index, cls) if policy.is_late(r, now, pace)),
+        )
     if first is not None:
         own = chain([first], (r for r in own if r.request_id != first.request_id))
     if not policy.fill_with_other_class:
-        return own
+        return iter(own)
     other = PriorityClass.OFFLINE if cls is PriorityClass.ONLINE else PriorityClass.ONLINE
     return chain(own, queue.ordered(index, other))
 
 
 def first_request(
-    queue: RequestBuckets, policy: PriorityPolicy, now: float, online_streak: int = 0
+    queue: RequestBuckets,
+    policy: PriorityPolicy,
+    now: float,
+    online_streak: int = 0,
+    seconds_per_token: float = 0.0,
 ) -> RequestSummary | None:
     """The request the next :func:`plan_batch` puts first (None when the queue is empty)."""
-    choice = _choose_bucket(queue, policy, now, online_streak)
+    choice = _choose_bucket(queue, policy, now, online_streak, seconds_per_token)
     if choice is None:
         return None
     cls, index, first, _ = choice
-    return first if first is not None else next(_candidates(queue, index, cls, None, policy))
+    return (
+        first
+        if first is not None
+        else next(_candidates(queue, index, cls, None, policy, now, seconds_per_token))
+    )
 
 
 def plan_batch(
@@ -114,13 +143,15 @@ def plan_batch(
     policy: PriorityPolicy,
     now: float,
     online_streak: int = 0,
+    seconds_per_token: float = 0.0,
 ) -> BatchPlan | None:
     """The next prefill batch, or None when the queue is empty or its first request does not fit the memory.
 
     ``now`` is on the clock of the requests' ``arrival``; ``online_streak`` counts online batches since the
-    last offline one (used by the ``share`` guard).
+    last offline one (used by the ``share`` guard); ``seconds_per_token`` is the prefill workers' pace
+    (:class:`~bucket_manager.prefill_pace.PrefillPace`), which tells the requests that can still meet their TTFT.
     """
-    choice = _choose_bucket(queue, policy, now, online_streak)
+    choice = _choose_bucket(queue, policy, now, online_streak, seconds_per_token)
     if choice is None:
         return None
     cls, index, first, by_guard = choice
@@ -129,7 +160,7 @@ def plan_batch(
     tokens = longest = prefill_blocks = decode_blocks = 0
     shortest = 0
     shape: Bucket | None = None
-    for request in _candidates(queue, index, cls, first, policy):
+    for request in _candidates(queue, index, cls, first, policy, now, seconds_per_token):
         count = len(ids) + 1
         new_tokens = tokens + request.prompt_len
         new_prefill = prefill_blocks + budget.prefill_need(request.prompt_len)

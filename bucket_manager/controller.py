@@ -350,10 +350,11 @@ class Controller:
         self.dispatcher.forget(request_id)
         self._wake.set()
 
-    async def batch_done(self, prefill_id: str, batch_id: int) -> None:
-        """Every request of the batch has left the prefill worker (sent, finished, given back)."""
+    async def batch_done(self, prefill_id: str, batch_id: int, forward_s: float | None = None) -> None:
+        """Every request of the batch has left the prefill worker (sent, finished, given back); ``forward_s``: its
+        forward pass, as the worker timed it (the prefill pace that tells which requests can still meet TTFT)."""
         await self._ready()
-        self.dispatcher.batch_done(prefill_id, batch_id)
+        self.dispatcher.batch_done(prefill_id, batch_id, forward_s)
         self._wake.set()
 
     async def requeue(

@@ -26,6 +26,7 @@ from typing import Any
 from bucket_manager.batch_plan import BatchPlan, first_request, plan_batch
 from bucket_manager.lending import LendingPolicy, batch_token_budget, lend_instead
 from bucket_manager.memory_budget import MemoryBudget, WorkerLoad, blocks_for, choose_workers
+from bucket_manager.prefill_pace import PrefillPace
 from bucket_manager.priority import PriorityPolicy
 from bucket_manager.request import PriorityClass, RequestSummary
 from bucket_manager.request_buckets import RequestBuckets
@@ -35,6 +36,8 @@ from bucket_manager.worker_ledger import WorkerLedger
 # ``buckets``: adaptive request buckets and the priority policy (the product). ``fcfs``: one bucket, served in
 # arrival order whatever the class or priority (the DistServe-like baseline the benchmarks compare against).
 SCHEDULING = ("buckets", "fcfs")
+# Batches whose forward time may still be reported (far more than ever run at once; the oldest go first).
+MAX_TIMED_BATCHES = 1024
 
 
 def _arrival_order(request: RequestSummary) -> tuple[float, ...]:
@@ -130,8 +133,12 @@ class Dispatcher:
         self.config = config
         self.shapes = ShapeBuckets(config.shape_config)
         self.fcfs = config.scheduling == "fcfs"
-        # FCFS batches take requests in arrival order up to the budget, whatever their lengths.
-        self.policy = dataclasses.replace(config.policy, short_batch_tokens=0) if self.fcfs else config.policy
+        # FCFS batches take requests in arrival order up to the budget, whatever their lengths or lateness.
+        self.policy = (
+            dataclasses.replace(config.policy, short_batch_tokens=0, late_last=False)
+            if self.fcfs
+            else config.policy
+        )
         self.queue = RequestBuckets(
             config.max_model_len,
             self.shapes.prompt_query_lens,
@@ -162,6 +169,10 @@ class Dispatcher:
         # Decode worker id -> (prefill worker id, batch id) of the batch running on its cores, until that batch is done.
         self._cores_lent: dict[str, tuple[str, int]] = {}
         self.core_shared_batches = 0
+        # How fast prefill workers get through prompt tokens (their reported forward times): which queued requests
+        # can still meet their TTFT. Batch id -> prompt tokens of the batches on prefill workers, for those reports.
+        self.pace = PrefillPace()
+        self._batch_tokens: dict[int, int] = {}
 
     # ------------------------------------------------------------------ workers
     def set_workers(self, prefill: Mapping[str, int], decode: Mapping[str, int]) -> None:
@@ -302,9 +313,13 @@ class Dispatcher:
             self.decode[placed[1]].reserved.pop(request_id, None)
         # The prefill reservation stays until batch_done: the blocks are in use there until then.
 
-    def batch_done(self, prefill_id: str, batch_id: int) -> None:
+    def batch_done(self, prefill_id: str, batch_id: int, forward_s: float | None = None) -> None:
         """Every request of the batch has left the prefill worker: their prompt reservations end. For a lent batch
-        (a decode worker's id): its prompts are prefilled; the requests' reservations stay until they end."""
+        (a decode worker's id): its prompts are prefilled; the requests' reservations stay until they end.
+        ``forward_s``: the batch's forward pass as the prefill worker timed it (feeds :attr:`pace`)."""
+        tokens = self._batch_tokens.pop(batch_id, None)
+        if tokens is not None and forward_s is not None:
+            self.pace.observe(tokens, forward_s)
         w = self.prefill.get(prefill_id)
         if w is not None:
             for rid in w.outstanding.pop(batch_id, ()):
@@ -399,7 +414,9 @@ class Dispatcher:
                 runners = len(self.usable("prefill")) + len(may_run)
                 tokens = batch_token_budget(queued_at_start, longest, runners, tokens)
                 if lenders:  # the head of the order decides whether the next batch is lent
-                    first = first_request(self.queue, self.policy, now, self.online_streak)
+                    first = first_request(
+                        self.queue, self.policy, now, self.online_streak, self.pace.seconds_per_token
+                    )
                     head = first.prompt_len if first is not None else 0
             if not decode or not (prefill or lenders):
                 break
@@ -425,7 +442,15 @@ class Dispatcher:
                 self.max_request_buckets = max(self.max_request_buckets, self.queue.num_buckets)
             if self.on_buckets is not None:
                 self.on_buckets(self.queue)
-            plan = plan_batch(self.queue, self.shapes, budget, self.policy, now, self.online_streak)
+            plan = plan_batch(
+                self.queue,
+                self.shapes,
+                budget,
+                self.policy,
+                now,
+                self.online_streak,
+                self.pace.seconds_per_token,
+            )
             if plan is None:
                 break  # the most urgent request does not fit yet: wait for blocks to come back
             # Before this batch reserves on its decode worker (which may be the idle lender).
@@ -492,6 +517,11 @@ class Dispatcher:
             d.reserved[rid] = blocks_for(min(s.prompt_len + s.max_tokens, self.config.max_model_len), bs)
             self.placement[rid] = (p.worker_id, d.worker_id)
         p.outstanding[self._batch_seq] = plan.request_ids
+        # A lent batch's prompt steps are mixed with decodes: no measure of a prefill worker's pace.
+        if p is not d:
+            self._batch_tokens[self._batch_seq] = plan.real_tokens
+            if len(self._batch_tokens) > MAX_TIMED_BATCHES:  # batches of a worker that died never report
+                del self._batch_tokens[next(iter(self._batch_tokens))]
         self.online_streak = 0 if plan.priority_class.value == "offline" else self.online_streak + 1
         self.batches += 1
         self.lent_batches += p is d
@@ -525,6 +555,7 @@ class Dispatcher:
             "batches": self.batches,
             "lent_batches": self.lent_batches,
             "core_shared_batches": self.core_shared_batches,
+            "prefill_s_per_token": self.pace.seconds_per_token,
             "in_cluster": len(self.request_ids()),
             "prefill": {
                 w.worker_id: {

@@ -3,7 +3,9 @@
 Online requests come first: the batch is built from the request bucket holding the most urgent online
 request (earliest arrival by default, earliest TTFT deadline, or shortest prompt first). Shortest first keeps
 short prompts from queueing behind long prefills, which raises TTFT attainment on mixed lengths; its guard
-serves the oldest online request first once it has waited ``max_online_wait_s``, so long prompts still run. Offline requests are ordered shortest job
+serves the oldest online request first once it has waited ``max_online_wait_s``, so long prompts still run. An online
+request that can no longer meet its TTFT deadline goes after those that still can (``late_last``; the same guard
+keeps it from starving). Offline requests are ordered shortest job
 first (most requests per second) or longest job first (most tokens per second). Because online work always
 wins, offline work needs a guard: ``aging`` serves the oldest offline request first once it has waited
 ``max_offline_wait_s``; ``share`` gives offline work one batch after every ``online_batches_per_offline``
@@ -32,8 +34,14 @@ class PriorityPolicy:
     offline_order: str = "sjf"
     starvation_guard: str = "aging"
     max_offline_wait_s: float = 30.0
-    # online_order "sjf": an online request that has waited this long goes first whatever its length.
+    # online_order "sjf", or late_last: an online request that has waited this long goes first whatever its length
+    # or lateness, so neither order can starve it.
     max_online_wait_s: float = 10.0
+    # An online request that can no longer meet its TTFT deadline (past it, or its prompt's prefill alone, at the
+    # prefill workers' measured pace, would end after it) goes after the online requests that still can: its SLO is
+    # lost whenever it runs, and running it first spends the prefill time that makes the requests behind it late too
+    # (a burst's backlog, or a prompt too long for the budget, would otherwise make the arrivals after it miss).
+    late_last: bool = True
     online_batches_per_offline: int = 4
     # Fill room left in a batch with the other class's requests from the same bucket: same padded shape,
     # so they ride along almost for free.
@@ -61,6 +69,8 @@ class PriorityPolicy:
             or self.short_batch_tokens < 0
         ):
             raise ValueError(f"short_batch_tokens must be an int >= 0, got {self.short_batch_tokens!r}")
+        if not isinstance(self.late_last, bool):
+            raise ValueError(f"late_last must be a bool, got {self.late_last!r}")
         if not isinstance(self.online_batches_per_offline, int) or self.online_batches_per_offline < 1:
             raise ValueError(
                 f"online_batches_per_offline must be an int >= 1, got {self.online_batches_per_offline!r}"
@@ -84,9 +94,18 @@ class PriorityPolicy:
             return True
         return max(longest, prompt_len) <= 2 * min(shortest, prompt_len)
 
+    def is_late(self, request: RequestSummary, now: float, seconds_per_token: float = 0.0) -> bool:
+        """Whether ``request`` goes after its class's on-time requests (``late_last``): an online request whose
+        first token, its prompt prefilled from ``now`` at ``seconds_per_token``, would come after its deadline."""
+        return (
+            self.late_last
+            and request.priority_class is PriorityClass.ONLINE
+            and now + request.prompt_len * seconds_per_token > request.ttft_deadline
+        )
+
     def online_is_overdue(self, oldest_online_arrival: float | None, now: float) -> bool:
-        """Shortest-first only: whether the oldest online request has waited long enough to go first."""
-        if self.online_order != "sjf" or oldest_online_arrival is None:
+        """Shortest first or late last: whether the oldest online request has waited long enough to go first."""
+        if (self.online_order != "sjf" and not self.late_last) or oldest_online_arrival is None:
             return False
         return now - oldest_online_arrival >= self.max_online_wait_s
 

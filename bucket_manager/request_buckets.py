@@ -81,6 +81,10 @@ class RequestBuckets:
     def get(self, request_id: str) -> RequestSummary:
         return self._entries[request_id][0]
 
+    def key_of(self, request_id: str) -> Key:
+        """The priority key a queued request is ordered by."""
+        return self._entries[request_id][1]
+
     def longest_prompt(self) -> int:
         """The longest queued prompt (0 when empty): in the highest bucket that holds any (buckets are ascending)."""
         for b in reversed(self._buckets):

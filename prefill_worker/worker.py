@@ -151,14 +151,15 @@ class PrefillWorker(EngineWorker):
                 self._in_progress += 1
                 items = [(m, d) for m, d in items if m.request_id not in self._tombstones]
             streamer = LayerStreamer(self.transport) if self._stream_layers else None
+            forward_s: float | None = None
             try:
-                sends = self._run(items, streamer, dispatched_at, borrow)
+                sends, forward_s = self._run(items, streamer, dispatched_at, borrow)
             except Exception as e:
                 logger.exception("prefill batch %d failed", batch_id)
                 sends = []
                 for msg, _ in items:
                     self._give_back(msg, f"prefill failed: {e}")
-            self._senders.submit(self._send_all, batch_id, sends, streamer)
+            self._senders.submit(self._send_all, batch_id, sends, streamer, forward_s)
 
     def _run(
         self,
@@ -166,9 +167,10 @@ class PrefillWorker(EngineWorker):
         streamer: LayerStreamer | None = None,
         dispatched_at: float | None = None,
         borrow_cores: tuple[int, ...] = (),
-    ) -> list[tuple[RequestMessage, Request, str]]:
+    ) -> tuple[list[tuple[RequestMessage, Request, str]], float | None]:
+        """Prefill a batch: the hand-offs to make, and the forward pass's seconds (None when nothing ran)."""
         if not items:
-            return []
+            return [], None
         bs = self.engine.block_size
         need = sum(-(-m.num_prompt_tokens // bs) for m, _ in items)
         deadline = time.monotonic() + BLOCK_WAIT_S
@@ -234,7 +236,7 @@ class PrefillWorker(EngineWorker):
             down = decode_id if self._unreachable(decode_id, err) else None
             self._give_back(msg, f"KV transfer to {decode_id} refused: {err}", full_on=full, down=down)
         self.heartbeat.push()
-        return sends
+        return sends, ms / 1e3
 
     def _begin_streams(
         self, items: list[tuple[RequestMessage, str]], reqs: list[Request], streamer: LayerStreamer
@@ -271,6 +273,7 @@ class PrefillWorker(EngineWorker):
         batch_id: int,
         sends: list[tuple[RequestMessage, Request, str]],
         streamer: LayerStreamer | None = None,
+        forward_s: float | None = None,
     ) -> None:
         try:
             for msg, req, decode_id in sends:
@@ -292,7 +295,7 @@ class PrefillWorker(EngineWorker):
                 self._held.pop(batch_id, None)
             controller = self._get_controller()
             if controller is not None:
-                controller.batch_done.remote(self.config.worker_id, batch_id)
+                controller.batch_done.remote(self.config.worker_id, batch_id, forward_s)
             self.heartbeat.push()
 
     def _send(

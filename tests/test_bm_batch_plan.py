@@ -84,12 +84,12 @@ def test_online_goes_first_by_arrival_or_deadline():
     by_arrival = PriorityPolicy(online_order="arrival", fill_with_other_class=False)
     q = make_queue(reqs, by_arrival)
     q.adjust(1)  # split so lengths land in different buckets
-    plan = plan_batch(q, SHAPES, budget(), by_arrival, now=3.0)
+    plan = plan_batch(q, SHAPES, budget(), by_arrival, now=2.05)
     assert plan is not None and plan.request_ids[0] == "early-loose" and plan.priority_class is ONLINE
     by_deadline = PriorityPolicy(online_order="deadline", fill_with_other_class=False)
     q = make_queue(reqs, by_deadline)
     q.adjust(1)
-    plan = plan_batch(q, SHAPES, budget(), by_deadline, now=3.0)
+    plan = plan_batch(q, SHAPES, budget(), by_deadline, now=2.05)  # both can still meet their deadlines
     assert plan is not None and plan.request_ids[0] == "late-tight"
 
 
@@ -112,6 +112,62 @@ def test_online_shortest_first_and_its_aging_guard():
     q = make_queue(reqs, by_arrival)
     q.adjust(4)
     assert plan_batch(q, SHAPES, budget(), by_arrival, now=0.0).request_ids[0] == "long"
+
+
+def test_online_requests_that_can_no_longer_meet_their_ttft_go_last():
+    # Arrival order, TTFT 500 ms each: at t=1.0 the two oldest are past their deadlines (0.5 and 0.7).
+    policy = PriorityPolicy(online_order="arrival", fill_with_other_class=False, short_batch_tokens=0)
+    reqs = [
+        RequestSummary("old-a", 200, 8, ONLINE, arrival=0.0, ttft_slo_ms=500),
+        RequestSummary("old-b", 40, 8, ONLINE, arrival=0.2, ttft_slo_ms=500),
+        RequestSummary("new-c", 200, 8, ONLINE, arrival=0.8, ttft_slo_ms=500),
+        RequestSummary("new-d", 40, 8, ONLINE, arrival=0.9, ttft_slo_ms=500),
+        RequestSummary("no-slo", 40, 8, ONLINE, arrival=0.1),  # never late: no TTFT target
+    ]
+    q = make_queue(reqs, policy)
+    plan = plan_batch(q, SHAPES, budget(), policy, now=1.0)
+    assert plan is not None and not plan.by_guard
+    # On-time requests by arrival, then the late ones by arrival (one bucket: nothing split yet).
+    assert plan.request_ids == ("no-slo", "new-c", "new-d", "old-a", "old-b")
+    assert first_request(q, policy, now=1.0).request_id == "no-slo"
+    # Before any deadline passes, plain arrival order.
+    assert plan_batch(q, SHAPES, budget(), policy, now=0.4).request_ids[:3] == ("old-a", "no-slo", "old-b")
+    # At a measured pace of 1 ms per prompt token, new-c (200 tokens, due at 1.3) can no longer make it at t=1.15,
+    # while new-d (40 tokens, due at 1.4) can: new-d goes first, new-c joins the late ones in arrival order.
+    plan = plan_batch(q, SHAPES, budget(), policy, now=1.15, seconds_per_token=0.001)
+    assert plan.request_ids == ("no-slo", "new-d", "old-a", "old-b", "new-c")
+    # Across buckets too: split the queue by length, the bucket with the first on-time request goes first.
+    q = make_queue(reqs, policy)
+    while q.adjust(2):  # one split per call, until 200 and 40 tokens lie in buckets of their own
+        pass
+    assert q.bucket_index(200) != q.bucket_index(40), "the test needs two buckets"
+    plan = plan_batch(q, SHAPES, budget(), policy, now=1.15, seconds_per_token=0.001)
+    assert plan.request_ids == ("no-slo", "new-d", "old-b")
+    # Off (late_last=False), or offline requests: the class's order alone.
+    plain = PriorityPolicy(
+        online_order="arrival", fill_with_other_class=False, short_batch_tokens=0, late_last=False
+    )
+    q = make_queue(reqs, plain)
+    assert plan_batch(q, SHAPES, budget(), plain, now=1.0).request_ids[:2] == ("old-a", "no-slo")
+    offline = [
+        RequestSummary("off-old", 40, 8, OFFLINE, arrival=0.0, ttft_slo_ms=500),
+        RequestSummary("off-new", 40, 8, OFFLINE, arrival=0.9, ttft_slo_ms=500),
+    ]
+    q = make_queue(offline, policy)
+    assert plan_batch(q, SHAPES, budget(), policy, now=1.0).request_ids == ("off-old", "off-new")
+    with pytest.raises(ValueError, match="late_last"):
+        PriorityPolicy(late_last=1)
+
+
+def test_a_late_request_still_runs_once_it_has_waited_max_online_wait_s():
+    policy = PriorityPolicy(online_order="arrival", max_online_wait_s=10.0, fill_with_other_class=False)
+    reqs = [RequestSummary("late", 900, 8, ONLINE, arrival=0.0, ttft_slo_ms=100)]
+    reqs += [RequestSummary(f"s{i}", 20, 8, ONLINE, arrival=9.5, ttft_slo_ms=1000) for i in range(3)]
+    q = make_queue(reqs, policy)
+    plan = plan_batch(q, SHAPES, budget(), policy, now=9.9)
+    assert plan is not None and not plan.by_guard and plan.request_ids[0] == "s0"
+    plan = plan_batch(q, SHAPES, budget(), policy, now=10.0)
+    assert plan is not None and plan.by_guard and plan.request_ids[0] == "late"
 
 
 def test_offline_sjf_and_ljf():

@@ -66,6 +66,29 @@ def test_batch_done_frees_the_prompt_blocks_and_forget_the_decode_blocks() -> No
     d.batch_done("p9", 99)  # unknown worker or batch: nothing happens
 
 
+def test_prefill_workers_report_their_pace_and_late_requests_go_last() -> None:
+    d = dispatcher()
+    assert d.pace.seconds_per_token == 0.0 and d.state()["prefill_s_per_token"] == 0.0
+    d.submit(req(0, prompt=500))
+    [batch] = d.plan(0.0)
+    d.batch_done("p0", batch.batch_id, forward_s=0.5)  # 500 tokens in 0.5 s
+    assert d.pace.seconds_per_token == pytest.approx(0.001)
+    assert d.state()["prefill_s_per_token"] == pytest.approx(0.001)
+    d.batch_done("p0", batch.batch_id, forward_s=9.0)  # reported twice: counted once
+    assert d.pace.seconds_per_token == pytest.approx(0.001)
+    # With that pace, a 400-token prompt due in 0.3 s can no longer make it; a 50-token one queued after it can.
+    d.submit(req(1, prompt=400, arrival=0.9, ttft_slo_ms=400))
+    d.submit(req(2, prompt=50, arrival=0.95, ttft_slo_ms=400))
+    first, *rest = d.plan(1.0)
+    assert first.request_ids[0] == "r2"
+    # The FCFS baseline serves by arrival whatever the deadlines.
+    f = dispatcher(scheduling="fcfs")
+    f.pace.observe(500, 0.5)
+    f.submit(req(1, prompt=400, arrival=0.9, ttft_slo_ms=400))
+    f.submit(req(2, prompt=50, arrival=0.95, ttft_slo_ms=400))
+    assert f.plan(1.0)[0].request_ids[0] == "r1"
+
+
 def test_a_prefill_worker_holds_at_most_its_batch_limit() -> None:
     d = dispatcher(max_batches_per_prefill_worker=2, policy=PriorityPolicy(online_order="arrival"))
     # Prompts of very different lengths never share a batch (no common warmed shape).

@@ -67,6 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--online-order", choices=("arrival", "deadline", "sjf"), default="arrival", help="as serve's flag"
     )
+    p.add_argument("--late-last", choices=("on", "off"), default="on", help="as serve's flag")
     p.add_argument("--workload", choices=WORKLOADS, default="mixed")
     p.add_argument("--rates", type=_rates, default=[1.0, 2.0, 4.0, 8.0], help="comma-separated req/s")
     p.add_argument("--num-prompts", type=int, default=500, help="requests per simulated (or measured) rate")
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             slo_ttft_ms=args.slo_ttft_ms,
             slo_tpot_ms=args.slo_tpot_ms,
             request_buckets=not args.no_request_buckets,
-            policy=PriorityPolicy(online_order=args.online_order),
+            policy=PriorityPolicy(online_order=args.online_order, late_last=args.late_last == "on"),
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

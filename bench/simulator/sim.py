@@ -223,10 +223,13 @@ class Simulator:
         batch_id, plan, did = p.queue.popleft()
         p.busy = True
         work = self._prefill_work(plan)
-        self._work(p.wid, "prefill", work, self._prefill_done, p, batch_id, plan, did)
+        self._work(p.wid, "prefill", work, self._prefill_done, p, batch_id, plan, did, self.now)
 
-    def _prefill_done(self, p: PrefillState, batch_id: int, plan: BatchPlan, did: str) -> None:
+    def _prefill_done(
+        self, p: PrefillState, batch_id: int, plan: BatchPlan, did: str, started: float
+    ) -> None:
         p.busy = False
+        p.forward_s[batch_id] = self.now - started  # what the worker reports with batch_done
         sends = self._first_tokens(plan)
         # Done at its first token: nothing to send, so it does not hold the batch back.
         p.unsent[batch_id] = {r.rid for r in sends} & p.unsent[batch_id]
@@ -255,7 +258,7 @@ class Simulator:
     def _batch_left(self, p: PrefillState, batch_id: int) -> None:
         """``batch_done``: every request of the batch has left, its prompt reservations end."""
         p.unsent.pop(batch_id, None)
-        self.dispatcher.batch_done(p.wid, batch_id)
+        self.dispatcher.batch_done(p.wid, batch_id, p.forward_s.pop(batch_id, None))
 
     def _release(self, r: SimRequest) -> None:
         """The request has finished: the gateway releases it, its decode reservation ends."""

@@ -116,6 +116,8 @@ class PrefillState:
     ledger: WorkerLedger  # the dispatcher's row for this worker
     unsent: dict[int, set[str]] = field(default_factory=dict)  # batch id -> requests whose KV has not left
     queue: deque = field(default_factory=deque)  # FCFS batches: (batch id, plan, decode worker id)
+    # batch id -> its forward time, reported with batch_done
+    forward_s: dict[int, float] = field(default_factory=dict)
     busy: bool = False
     link_free_at: float = 0.0
 

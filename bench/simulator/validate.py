@@ -65,6 +65,7 @@ def start_cluster(
     log: Path,
     warmup: bool = False,
     online_order: str = "arrival",
+    late_last: str = "on",
 ) -> ServerProcess:
     cmd = _cli(
         "serve",
@@ -78,6 +79,8 @@ def start_cluster(
         str(decode),
         "--online-order",
         online_order,
+        "--late-last",
+        late_last,
         # The name the benchmark client sends (the server would otherwise name an alias by what it stands for).
         "--served-model-name",
         model,
@@ -156,7 +159,14 @@ def _measure(
     log = work / "serve.log"
     measured: dict[float, dict[str, Any]] = {}
     server = start_cluster(
-        args.model, args.port, args.prefill_workers, args.decode_workers, log, args.warmup, args.online_order
+        args.model,
+        args.port,
+        args.prefill_workers,
+        args.decode_workers,
+        log,
+        args.warmup,
+        args.online_order,
+        args.late_last,
     )
     try:
         # Idle probe: requests far apart, so each meets an empty cluster.
@@ -271,7 +281,7 @@ def run_validation(args: argparse.Namespace) -> int:
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
         # The same online order the cluster was started with.
-        policy=PriorityPolicy(online_order=args.online_order),
+        policy=PriorityPolicy(online_order=args.online_order, late_last=args.late_last == "on"),
     )
     kw = {"max_output_len": args.max_output_len}
     if args.measured:
@@ -336,6 +346,7 @@ def run_validation(args: argparse.Namespace) -> int:
         "slo_tpot_ms": args.slo_tpot_ms,
         "workers": {"prefill": args.prefill_workers, "decode": args.decode_workers},
         "online_order": args.online_order,
+        "late_last": args.late_last,
         "measured_in": str(work),
         "calibration_rate": args.calibration_rate,
         "host_model": asdict(host),

@@ -94,6 +94,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "even Poisson load)",
     )
     p.add_argument(
+        "--late-last",
+        default="on",
+        choices=["on", "off"],
+        help="buckets scheduling: an online request that can no longer meet its TTFT (past its deadline, or its "
+        "prompt's prefill at the prefill workers' measured pace would end after it) goes after those that still "
+        "can (the oldest first once it has waited 10 s)",
+    )
+    p.add_argument(
         "--prefill-workers",
         type=_worker_count,
         default=1,
@@ -329,7 +337,7 @@ def cluster_config_from_args(args: argparse.Namespace, detached: bool = False, q
         scheduling=args.scheduling,
         elastic=args.elastic == "on",
         share_cores=args.share_cores == "on",
-        policy=PriorityPolicy(online_order=args.online_order),
+        policy=PriorityPolicy(online_order=args.online_order, late_last=args.late_last == "on"),
         prefill_workers=prefill_workers,
         decode_workers=decode_workers,
         colocated_workers=args.colocated_workers,

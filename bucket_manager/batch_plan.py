@@ -1,13 +1,16 @@
 """Forming one prefill batch: a pure function of the queue, the warmed shapes, the memory figures and the policy.
 
 :func:`plan_batch` picks a request bucket (the one holding the most urgent online request, or offline work when
-the starvation guard says it is due), then takes that bucket's requests in priority order (online requests that
-can still meet their TTFT before those that cannot, ``PriorityPolicy.late_last``) while the batch still
+the starvation guard says it is due), then takes that bucket's requests in priority order while the batch still
 
 * fits the safe KV blocks of its prefill worker and of its decode worker,
 * stays within ``max_num_batched_tokens`` real tokens and the largest warmed prefill batch size, and
 * pads onto a warmed prompt shape, and
 * keeps to one range of lengths once past a short batch's tokens (``PriorityPolicy.joins``).
+
+With ``PriorityPolicy.late_last``, requests that can no longer meet their TTFT come after those that still can:
+online requests on time, then offline ones on time, then online ones late, then offline ones late, each group in
+its class's order (the starvation guards still come first).
 
 It stops at the first request that does not fit rather than skipping it, so the head of the order is never
 overtaken and cannot starve. If the first request alone does not fit the memory, there is no plan (wait for
@@ -55,27 +58,34 @@ def _choose_bucket(
     due = policy.offline_is_due(
         None if oldest_offline is None else oldest_offline.arrival, now, online_streak
     )
+    online: tuple[int, bool] | None = None
     if not due:
         oldest_online = queue.oldest(PriorityClass.ONLINE)
         if oldest_online is not None and policy.online_is_overdue(oldest_online.arrival, now):
             index = queue.bucket_index(oldest_online.prompt_len)
             return PriorityClass.ONLINE, index, oldest_online, True
         online = _most_urgent(queue, PriorityClass.ONLINE, policy, now, pace)
-        if online is not None:
-            return PriorityClass.ONLINE, online, None, False
+        if online is not None and not online[1]:
+            return PriorityClass.ONLINE, online[0], None, False
+        # Every queued online request is late (or none is queued): offline work that can still meet its TTFT goes
+        # first.
     if oldest_offline is None:
-        return None
+        return None if online is None else (PriorityClass.ONLINE, online[0], None, False)
     if due and policy.starvation_guard == "aging":
         return PriorityClass.OFFLINE, queue.bucket_index(oldest_offline.prompt_len), oldest_offline, True
-    index = _most_urgent(queue, PriorityClass.OFFLINE, policy, now, pace)
-    assert index is not None  # an offline request exists
-    return PriorityClass.OFFLINE, index, None, due
+    offline = _most_urgent(queue, PriorityClass.OFFLINE, policy, now, pace)
+    assert offline is not None  # an offline request exists
+    if online is not None and offline[1]:
+        # Nothing queued can still meet its TTFT: online work first, as ever.
+        return PriorityClass.ONLINE, online[0], None, False
+    return PriorityClass.OFFLINE, offline[0], None, due
 
 
 def _most_urgent(
     queue: RequestBuckets, cls: PriorityClass, policy: PriorityPolicy, now: float, pace: float
-) -> int | None:
-    """The bucket whose first request (by lateness, then the class's order) comes first over all buckets."""
+) -> tuple[int, bool] | None:
+    """The bucket whose first request (by lateness, then the class's order) comes first over all buckets, and
+    whether that request is late."""
     best: tuple[tuple[bool, Key], int] | None = None
     for i in range(queue.num_buckets):
         head = queue.head(i, cls)
@@ -90,7 +100,7 @@ def _most_urgent(
                 rank = (False, queue.key_of(on_time.request_id))
         if best is None or rank < best[0]:
             best = (rank, i)
-    return None if best is None else best[1]
+    return None if best is None else (best[1], best[0][0])
 
 
 def _candidates(
@@ -103,7 +113,7 @@ def _candidates(
     pace: float,
 ) -> Iterator[RequestSummary]:
     own: Iterable[RequestSummary] = queue.ordered(index, cls)
-    if policy.late_last and cls is PriorityClass.ONLINE:
+    if policy.late_last:
         # On-time requests first, then the late ones, each in the class's order (two lazy walks of the heap).
         own = chain(
             (r for r in queue.ordered(index, cls) if not policy.is_late(r, now, pace)),

@@ -3,10 +3,10 @@
 Online requests come first: the batch is built from the request bucket holding the most urgent online
 request (earliest arrival by default, earliest TTFT deadline, or shortest prompt first). Shortest first keeps
 short prompts from queueing behind long prefills, which raises TTFT attainment on mixed lengths; its guard
-serves the oldest online request first once it has waited ``max_online_wait_s``, so long prompts still run. An online
-request that can no longer meet its TTFT deadline goes after those that still can (``late_last``; the same guard
-keeps it from starving). Offline requests are ordered shortest job
-first (most requests per second) or longest job first (most tokens per second). Because online work always
+serves the oldest online request first once it has waited ``max_online_wait_s``, so long prompts still run. A
+request that can no longer meet its TTFT deadline goes after those that still can, of either class (``late_last``;
+the same guard keeps a late online request from starving). Offline requests are ordered shortest job
+first (most requests per second) or longest job first (most tokens per second). Because on-time online work always
 wins, offline work needs a guard: ``aging`` serves the oldest offline request first once it has waited
 ``max_offline_wait_s``; ``share`` gives offline work one batch after every ``online_batches_per_offline``
 online batches while both are queued. The integer ``priority`` of a request (smaller first) comes before all
@@ -37,10 +37,11 @@ class PriorityPolicy:
     # online_order "sjf", or late_last: an online request that has waited this long goes first whatever its length
     # or lateness, so neither order can starve it.
     max_online_wait_s: float = 10.0
-    # An online request that can no longer meet its TTFT deadline (past it, or its prompt's prefill alone, at the
-    # prefill workers' measured pace, would end after it) goes after the online requests that still can: its SLO is
-    # lost whenever it runs, and running it first spends the prefill time that makes the requests behind it late too
-    # (a burst's backlog, or a prompt too long for the budget, would otherwise make the arrivals after it miss).
+    # A request that can no longer meet its TTFT deadline (past it, or its prompt's prefill alone, at the prefill
+    # workers' measured pace, would end after it) goes after every request that still can, online or offline: its
+    # SLO is lost whenever it runs, and running it first spends the prefill time that makes the requests behind it
+    # late too (a burst's backlog, or a prompt too long for the budget, would otherwise make the arrivals after it
+    # miss). Online before offline still holds among the on-time requests and among the late ones.
     late_last: bool = True
     online_batches_per_offline: int = 4
     # Fill room left in a batch with the other class's requests from the same bucket: same padded shape,
@@ -95,13 +96,9 @@ class PriorityPolicy:
         return max(longest, prompt_len) <= 2 * min(shortest, prompt_len)
 
     def is_late(self, request: RequestSummary, now: float, seconds_per_token: float = 0.0) -> bool:
-        """Whether ``request`` goes after its class's on-time requests (``late_last``): an online request whose
-        first token, its prompt prefilled from ``now`` at ``seconds_per_token``, would come after its deadline."""
-        return (
-            self.late_last
-            and request.priority_class is PriorityClass.ONLINE
-            and now + request.prompt_len * seconds_per_token > request.ttft_deadline
-        )
+        """Whether ``request`` goes after the on-time requests (``late_last``): its first token, its prompt
+        prefilled from ``now`` at ``seconds_per_token``, would come after its TTFT deadline (never without one)."""
+        return self.late_last and now + request.prompt_len * seconds_per_token > request.ttft_deadline
 
     def online_is_overdue(self, oldest_online_arrival: float | None, now: float) -> bool:
         """Shortest first or late last: whether the oldest online request has waited long enough to go first."""

@@ -143,20 +143,36 @@ def test_online_requests_that_can_no_longer_meet_their_ttft_go_last():
     assert q.bucket_index(200) != q.bucket_index(40), "the test needs two buckets"
     plan = plan_batch(q, SHAPES, budget(), policy, now=1.15, seconds_per_token=0.001)
     assert plan.request_ids == ("no-slo", "new-d", "old-b")
-    # Off (late_last=False), or offline requests: the class's order alone.
+    # Off (late_last=False): the class's order alone.
     plain = PriorityPolicy(
         online_order="arrival", fill_with_other_class=False, short_batch_tokens=0, late_last=False
     )
     q = make_queue(reqs, plain)
     assert plan_batch(q, SHAPES, budget(), plain, now=1.0).request_ids[:2] == ("old-a", "no-slo")
-    offline = [
-        RequestSummary("off-old", 40, 8, OFFLINE, arrival=0.0, ttft_slo_ms=500),
-        RequestSummary("off-new", 40, 8, OFFLINE, arrival=0.9, ttft_slo_ms=500),
-    ]
-    q = make_queue(offline, policy)
-    assert plan_batch(q, SHAPES, budget(), policy, now=1.0).request_ids == ("off-old", "off-new")
     with pytest.raises(ValueError, match="late_last"):
         PriorityPolicy(late_last=1)
+
+
+def test_offline_work_on_time_goes_before_online_work_that_is_late():
+    policy = PriorityPolicy(online_order="arrival", offline_order="sjf", fill_with_other_class=False)
+    reqs = [
+        RequestSummary("on-late", 40, 8, ONLINE, arrival=0.0, ttft_slo_ms=500),
+        RequestSummary("off-late", 30, 8, OFFLINE, arrival=0.1, ttft_slo_ms=500),
+        RequestSummary("off-due-soon", 60, 8, OFFLINE, arrival=0.2, ttft_slo_ms=2000),
+        RequestSummary("off-no-slo", 50, 8, OFFLINE, arrival=0.3),
+    ]
+    q = make_queue(reqs, policy)
+    # At t=1.0 the online request is late: the offline ones that can still meet their TTFT go first, shortest
+    # first (their class's order), and the late offline one after them.
+    plan = plan_batch(q, SHAPES, budget(), policy, now=1.0)
+    assert plan.priority_class is OFFLINE and plan.request_ids == ("off-no-slo", "off-due-soon", "off-late")
+    # When everything queued is late, online work goes first as ever.
+    q.remove_many(["off-no-slo", "off-due-soon"])
+    plan = plan_batch(q, SHAPES, budget(), policy, now=3.0)
+    assert plan.priority_class is ONLINE and plan.request_ids == ("on-late",)
+    # An online request on time goes before all of them.
+    q.add(RequestSummary("on-new", 40, 8, ONLINE, arrival=2.9, ttft_slo_ms=500))
+    assert plan_batch(q, SHAPES, budget(), policy, now=3.0).request_ids == ("on-new", "on-late")
 
 
 def test_a_late_request_still_runs_once_it_has_waited_max_online_wait_s():

@@ -10,7 +10,8 @@ first (most requests per second) or longest job first (most tokens per second). 
 wins, offline work needs a guard: ``aging`` serves the oldest offline request first once it has waited
 ``max_offline_wait_s``; ``share`` gives offline work one batch after every ``online_batches_per_offline``
 online batches while both are queued. The integer ``priority`` of a request (smaller first) comes before all
-of these inside its class. Past ``short_batch_tokens`` a batch keeps to prompts within 2x of each other
+of these inside its class, except lateness: a request that can no longer meet its TTFT goes after the on-time ones
+whatever its priority (its SLO is lost either way; theirs is not). Past ``short_batch_tokens`` a batch keeps to prompts within 2x of each other
 (:meth:`PriorityPolicy.joins`), so no prompt waits for the prefill of one much longer than itself.
 """
 

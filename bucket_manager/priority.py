@@ -5,14 +5,15 @@ request (earliest arrival by default, earliest TTFT deadline, or shortest prompt
 short prompts from queueing behind long prefills, which raises TTFT attainment on mixed lengths; its guard
 serves the oldest online request first once it has waited ``max_online_wait_s``, so long prompts still run. A
 request that can no longer meet its TTFT deadline goes after those that still can, of either class (``late_last``;
-the same guard keeps a late online request from starving). Offline requests are ordered shortest job
-first (most requests per second) or longest job first (most tokens per second). Because on-time online work always
-wins, offline work needs a guard: ``aging`` serves the oldest offline request first once it has waited
+the same guard keeps a late online request from starving). Offline requests are ordered shortest job first (most
+requests per second) or longest job first (most tokens per second). Because on-time online work always wins,
+offline work needs a guard: ``aging`` serves the oldest offline request first once it has waited
 ``max_offline_wait_s``; ``share`` gives offline work one batch after every ``online_batches_per_offline``
 online batches while both are queued. The integer ``priority`` of a request (smaller first) comes before all
-of these inside its class, except lateness: a request that can no longer meet its TTFT goes after the on-time ones
-whatever its priority (its SLO is lost either way; theirs is not). Past ``short_batch_tokens`` a batch keeps to prompts within 2x of each other
-(:meth:`PriorityPolicy.joins`), so no prompt waits for the prefill of one much longer than itself.
+of these inside its class, except lateness: a request that can no longer meet its TTFT goes after the on-time
+ones whatever its priority (its SLO is lost either way; theirs is not). Past ``short_batch_tokens`` a batch keeps
+to prompts within 2x of each other (:meth:`PriorityPolicy.joins`), so no prompt waits for the prefill of one much
+longer than itself.
 """
 
 from __future__ import annotations

@@ -97,9 +97,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--late-last",
         default="on",
         choices=["on", "off"],
-        help="buckets scheduling: an online request that can no longer meet its TTFT (past its deadline, or its "
-        "prompt's prefill at the prefill workers' measured pace would end after it) goes after those that still "
-        "can (the oldest first once it has waited 10 s)",
+        help="buckets scheduling: a request that can no longer meet its TTFT (past its deadline, or its prompt's "
+        "prefill at the prefill workers' measured pace would end after it) goes after every request that still "
+        "can, online or offline (the oldest online request goes first once it has waited 10 s)",
     )
     p.add_argument(
         "--prefill-workers",

@@ -94,6 +94,12 @@ def test_aliases_and_switches_as_config_keys(tmp_path):
     on = settings(["--config", config_file(tmp_path, {"kv-stream-layers": "on"})])
     assert cluster_config_from_args(on).stream_kv_layers is True
     assert cluster_config_from_args(parse(["--kv-stream-layers", "off"])).stream_kv_layers is False
+    # Late last is on unless switched off, from a flag or a config key; the online order rides beside it.
+    assert cluster_config_from_args(parse([])).policy.late_last is True
+    off = cluster_config_from_args(parse(["--late-last", "off", "--online-order", "deadline"])).policy
+    assert off.late_last is False and off.online_order == "deadline"
+    keyed = settings(["--config", config_file(tmp_path, {"late-last": "off"})])
+    assert cluster_config_from_args(keyed).policy.late_last is False
     assert (
         settings(["--prefix-caching"]).prefix_caching is settings(["--enable-prefix-caching"]).prefix_caching
     )

@@ -65,6 +65,14 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
         help=f"most tokens in one step or prefill batch (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
     )
     parser.add_argument(
+        "--tpot-guard",
+        default="off",
+        choices=["on", "off"],
+        help="flat policy, on: cap each step's prompt tokens so that the requests decoding in it keep their "
+        "TPOT SLOs, at the cost of the prompts' TTFT (engine/tpot_guard.py); off: --max-num-batched-tokens "
+        "alone bounds a step",
+    )
+    parser.add_argument(
         "--num-blocks", type=int, default=None, help="KV blocks (default: sized from free memory)"
     )
     parser.add_argument(

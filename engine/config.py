@@ -67,9 +67,14 @@ class SchedulerConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_prefill_seqs: int = DEFAULT_MAX_NUM_PREFILL_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    # Flat policy: each step's prompt tokens capped so that the requests decoding in it keep their TPOT SLOs
+    # (engine/tpot_guard.py; off by default: it trades TTFT for TPOT). Requests without an SLO set no cap.
+    tpot_guard: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_seqs", "max_num_prefill_seqs", "max_num_batched_tokens")
+        if not isinstance(self.tpot_guard, bool):
+            raise ConfigError(f"SchedulerConfig.tpot_guard must be a bool, got {self.tpot_guard!r}")
         if self.max_model_len is not None:
             _positive(self, "max_model_len")
         if self.max_num_prefill_seqs > self.max_num_seqs:
@@ -160,6 +165,7 @@ def config_from_args(args) -> EngineConfig:
                 max_num_seqs=g("max_num_seqs"),
                 max_num_prefill_seqs=g("max_num_prefill_seqs"),
                 max_num_batched_tokens=g("max_num_batched_tokens"),
+                tpot_guard=None if g("tpot_guard") is None else g("tpot_guard") == "on",
             )
         ),
         bucketing=BucketingConfig(

@@ -43,6 +43,7 @@ from engine.scheduler import (
     plan_flat_step,
     plan_step,
 )
+from engine.tpot_guard import DecodeClock, StepClock, prompt_token_cap, step_allowance_s
 
 logger = logging.getLogger(__name__)
 
@@ -115,10 +116,13 @@ class LLMEngine:
             "prompt_tokens": 0,
             "output_tokens": 0,
             "overlapped_steps": 0,  # decode steps launched before the previous step's tokens were read
+            "guarded_steps": 0,  # steps whose prompt tokens the TPOT guard cut down
         }
         # Overlapped decode (see engine.pending_step): the step in flight whose tokens the host has not read.
         self._overlap = cfg.overlap_decode == "on" and isinstance(self.runner, FlatRunner)
         self._pending: PendingStep | None = None
+        # The TPOT guard's estimates of what a step costs (flat policy; engine/tpot_guard.py).
+        self.step_clock = StepClock() if sched.tpot_guard else None
         self.warmup_report: dict[str, float] = {}
         if not cfg.skip_warmup:
             self.warmup_report = self.runner.warmup(graph_memory_budget=plan.graph_reserve_bytes or None)
@@ -354,11 +358,14 @@ class LLMEngine:
         def state(r: Request) -> SeqState:
             return SeqState(r.request_id, r.num_computed_tokens, r.num_tokens, len(r.block_ids))
 
+        started = time.perf_counter()
+        cap = self._prompt_cap()
         plan = plan_flat_step(
             [state(r) for r in self.running],
             [state(r) for r in self.waiting],
             self.allocator.num_free,
             self.flat_limits,
+            cap,
         )
         for rid in plan.preempt_ids:
             self._preempt(self.requests[rid])
@@ -375,12 +382,17 @@ class LLMEngine:
             items.append((r, n))
         logits, sampled = self.runner.run(items)
         decodes = sum(1 for r, n in items if n == 1 and r.num_generated_tokens > 0)
+        prompt = sum(n for r, n in items) - decodes
         self.stats["decode_steps"] += 1 if decodes else 0
         self.stats["prefill_steps"] += 1 if decodes < len(items) else 0
-        self.stats["prompt_tokens"] += sum(n for r, n in items) - decodes
+        self.stats["prompt_tokens"] += prompt
+        # The cap was reached (prompt work waited beyond it, or the cap was the floor).
+        self.stats["guarded_steps"] += cap is not None and prompt >= cap
         for r, n in items:
             r.num_computed_tokens += n
         tokens, logprobs = self.sampler(logits, sampled)
+        if self.step_clock is not None:
+            self.step_clock.observe(time.perf_counter() - started, decodes, prompt)
         outs = []
         for i, r in enumerate(sampled):
             outs.append(self._append(r, tokens[i], logprobs[i] if logprobs else None))
@@ -388,6 +400,21 @@ class LLMEngine:
                 self.running.remove(r)
                 self._release(r)
         return outs
+
+    def _prompt_cap(self) -> int | None:
+        """The TPOT guard's cap on the next step's prompt tokens (None: none), from the requests decoding now."""
+        clock = self.step_clock
+        if clock is None or not self.running:
+            return None
+        now = time.monotonic()
+        decodes = [
+            DecodeClock(r.slo_tpot_ms / 1e3, r.num_generated_tokens - 1, now - r.first_token_time)
+            for r in self.running
+            if r.slo_tpot_ms is not None
+            and r.first_token_time is not None
+            and r.num_computed_tokens + 1 == r.num_tokens
+        ]
+        return prompt_token_cap(step_allowance_s(decodes), clock.decode_step_s, clock.prompt_s_per_token)
 
     def _step_buckets(self) -> list[RequestOutput]:
         """A prefill step or a decode step, each padded to a warmed shape bucket."""

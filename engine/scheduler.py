@@ -119,27 +119,41 @@ def _new_blocks(s: SeqState, n: int, block_size: int) -> int:
 
 
 def plan_flat_step(
-    running: Sequence[SeqState], waiting: Sequence[SeqState], free_blocks: int, limits: FlatLimits
+    running: Sequence[SeqState],
+    waiting: Sequence[SeqState],
+    free_blocks: int,
+    limits: FlatLimits,
+    prompt_cap: int | None = None,
 ) -> FlatPlan:
-    """One step of flat tokens under a token budget: every running request first (a decode is one token, a
-    request part-way through its prompt gets the next chunk of it), then waiting requests in order, each with
-    as much of its prompt as the budget and the free blocks allow (chunked prefill). When the running requests'
-    blocks do not fit, the newest are preempted, so the oldest keep making progress. A waiting request is
-    admitted only with one free block left per request already in the step, so admitting prefill work cannot
-    starve the next decode step; nothing behind a waiting request that does not fit is admitted (FCFS)."""
+    """One step of flat tokens under a token budget: every running request first (its decode token, or for a
+    request part-way through its prompt the next chunk of it, decodes before chunks), then waiting requests in
+    order, each with as much of its prompt as the budget and the free blocks allow (chunked prefill). When the
+    running requests' blocks do not fit, the newest are preempted, so the oldest keep making progress. A waiting
+    request is admitted only with one free block left per request already in the step, so admitting prefill
+    work cannot starve the next decode step; nothing behind a waiting request that does not fit is admitted
+    (FCFS).
+    ``prompt_cap`` (the TPOT guard's, ``engine/tpot_guard.py``) bounds the step's prompt tokens, not its
+    decodes: a running request part-way through its prompt may get none and wait for a later step."""
     bs = limits.block_size
     budget = limits.max_num_batched_tokens
+    cap = budget if prompt_cap is None else min(budget, prompt_cap)
     keep = list(running)
     preempt: list[str] = []
-    # Running requests want all their remaining tokens this step (1 for a decode), within the budget.
+    # Running requests want all their remaining tokens this step within the budget: the decodes (one token each)
+    # first, then the next chunks of the prompts part-way through, within the prompt cap too.
     while True:
-        wants, tokens = [], 0
+        wants, tokens, prompt = [], 0, 0
         for s in keep:
-            n = min(s.num_tokens - s.num_computed, budget - tokens)
-            if n <= 0:
-                break
-            wants.append((s, n))
-            tokens += n
+            if s.num_tokens - s.num_computed == 1 and tokens < budget:
+                wants.append((s, 1))
+                tokens += 1
+        for s in keep:
+            left = s.num_tokens - s.num_computed
+            n = min(left, budget - tokens, cap - prompt)
+            if left > 1 and n > 0:
+                wants.append((s, n))
+                tokens += n
+                prompt += n
         need = sum(_new_blocks(s, n, bs) for s, n in wants)
         if need <= free_blocks or not keep:
             break
@@ -150,7 +164,7 @@ def plan_flat_step(
     free = free_blocks - need
     room = limits.max_num_seqs - len(keep)
     for s in waiting:
-        left = budget - tokens
+        left = min(budget - tokens, cap - prompt)
         if room <= 0 or left <= 0:
             break
         # As many of its tokens as fit in the budget and in the free blocks, keeping one block in reserve
@@ -162,6 +176,7 @@ def plan_flat_step(
             break
         scheduled.append((s.request_id, n))
         tokens += n
+        prompt += n
         free -= _new_blocks(s, n, bs)
         room -= 1
     return FlatPlan(tuple(scheduled), tuple(preempt))

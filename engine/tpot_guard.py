@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from bucket_manager.prefill_pace import PrefillPace
+
 # Of a request's TPOT SLO the guard plans to use: the rest absorbs the estimates' error and the time a token
 # takes from the engine to the client.
 MARGIN = 0.9
@@ -76,23 +78,25 @@ def prompt_token_cap(
 
 class StepClock:
     """Running estimates of what a step costs: the decodes alone (steps without prompt tokens) and each prompt
-    token on top of them (steps with prompt chunks, less the decode estimate)."""
+    token on top of them (steps with prompt chunks, less the decode estimate; token-weighted, as the
+    controller's prefill pace is)."""
 
     def __init__(self) -> None:
         self.decode_step_s: float | None = None
-        self.prompt_s_per_token: float | None = None
+        self._prompt = PrefillPace(alpha=_ALPHA)
+
+    @property
+    def prompt_s_per_token(self) -> float | None:
+        """None until a step with enough prompt tokens was timed."""
+        return self._prompt.seconds_per_token or None
 
     def observe(self, seconds: float, decodes: int, prompt_tokens: int) -> None:
         if prompt_tokens == 0:
             if decodes:
-                self.decode_step_s = _mix(self.decode_step_s, seconds)
+                old = self.decode_step_s
+                self.decode_step_s = seconds if old is None else (1 - _ALPHA) * old + _ALPHA * seconds
             return
         if prompt_tokens < _MIN_PROMPT_TOKENS:
             return
         base = self.decode_step_s if decodes and self.decode_step_s is not None else 0.0
-        per_token = max(seconds - base, 0.0) / prompt_tokens
-        self.prompt_s_per_token = _mix(self.prompt_s_per_token, per_token)
-
-
-def _mix(old: float | None, new: float) -> float:
-    return new if old is None else (1 - _ALPHA) * old + _ALPHA * new
+        self._prompt.observe(prompt_tokens, seconds - base)

@@ -128,8 +128,9 @@ def test_config_names_a_bad_tpot_guard_and_the_flag_reaches_it() -> None:
     assert config_from_args(parser.parse_args(["--tpot-guard", "on"])).scheduler.tpot_guard is True
 
 
-def _engine(guard: bool, decode_s: float = 0.010, prompt_s: float = 0.001):
-    """A flat-policy engine; with the guard, its step estimates as a slow host would have them."""
+def _engine(guard: bool):
+    """A flat-policy engine; with the guard, its step estimates as a slow host would have them: 10 ms decode
+    steps, 1 ms a prompt token."""
     from dataclasses import replace
 
     from engine.llm_engine import LLMEngine
@@ -137,7 +138,8 @@ def _engine(guard: bool, decode_s: float = 0.010, prompt_s: float = 0.001):
     base = small_config(shape_policy="flat", overlap_decode="off")
     engine = LLMEngine(replace(base, scheduler=replace(base.scheduler, tpot_guard=guard)))
     if guard:
-        engine.step_clock.decode_step_s, engine.step_clock.prompt_s_per_token = decode_s, prompt_s
+        engine.step_clock.observe(0.010, decodes=1, prompt_tokens=0)
+        engine.step_clock.observe(0.010 + 0.001 * 100, decodes=1, prompt_tokens=100)
     return engine
 
 
@@ -150,10 +152,10 @@ def _first_step_with_prompt(engine, slo_ms: float) -> int:
     engine.add_request(
         Request("d", first, SamplingParams(max_tokens=30, ignore_eos=True), slo_tpot_ms=slo_ms)
     )
-    while not engine.requests["d"].output_token_ids:
+    while not engine.requests[
+        "d"
+    ].output_token_ids:  # its 8-token prompt step is too small to teach the clock
         engine.step()
-    if engine.step_clock is not None:  # what the prompt step taught it: back to 10 ms decodes, 1 ms a token
-        engine.step_clock.decode_step_s, engine.step_clock.prompt_s_per_token = 0.010, 0.001
     engine.add_request(Request("p", second, SamplingParams(max_tokens=4), slo_tpot_ms=slo_ms))
     engine.step()
     done = engine.requests["p"].num_computed_tokens

@@ -62,7 +62,8 @@ class LLMEngine:
         if can_prepack(self.device.torch_device, model_dtype):
             prepack_linears(self.loaded.model)
             fuse_gated_mlps(self.loaded.model)
-        fuse_rms_norms(self.loaded.model)
+        # A compiled forward fuses F.rms_norm into its neighbours; our opaque kernel would stop that.
+        fuse_rms_norms(self.loaded.model, use_kernel=not cfg.compile)
         self.linear_choices = self.device.tune_linears(self.loaded.model)
         self.block_size = bs = cfg.cache.block_size
         self.kv_spec = self.loaded.kv_spec(bs)
@@ -82,7 +83,7 @@ class LLMEngine:
                 self.loaded.model,
                 self.kv_cache,
                 self.device,
-                self.device.paged_attention(),
+                self.device.paged_attention(getattr(torch, self.kv_spec.dtype)),
                 sched.max_num_batched_tokens,
                 compile_forward=cfg.compile,
                 # Decode graphs (where the device captures them) up to 256 sequences and the longest context.

@@ -69,9 +69,9 @@ class Device(abc.ABC):
         """
         return None
 
-    def paged_attention(self) -> Callable[..., None]:
-        """This device's paged-attention operator for flat tokens (see :mod:`engine.kernels`): the pure-torch
-        one unless the device has its own. Chosen once, when the runner is built."""
+    def paged_attention(self, dtype: torch.dtype | None = None) -> Callable[..., None]:
+        """This device's paged-attention operator for flat tokens (see :mod:`engine.kernels`) for a KV cache of
+        ``dtype``: the pure-torch one unless the device has its own. Chosen once, when the runner is built."""
         from engine.kernels import paged_attention_ref
 
         return paged_attention_ref

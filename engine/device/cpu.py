@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from engine.device.base import Device
+
+logger = logging.getLogger(__name__)
 
 
 class CpuDevice(Device):
@@ -32,8 +35,19 @@ class CpuDevice(Device):
             free = total
         return free, total
 
-    def paged_attention(self):
+    def paged_attention(self, dtype: torch.dtype | None = None):
         # Our C++ kernel (built once per source and torch version, cached); the pure-torch one if it cannot build.
         from engine.kernels import cpu_paged_attention
 
-        return cpu_paged_attention()
+        kernel = cpu_paged_attention()
+        if dtype in (torch.bfloat16, torch.float16) and torch.cpu._is_amx_tile_supported():
+            # 16-bit prompts on the matrix unit: see engine/kernels/fresh_prefill.py for the measured crossover.
+            from engine.kernels.fresh_prefill import FRESH_MIN_TOKENS, FreshPrefillAttention
+
+            logger.info(
+                "AMX with a %s cache: fresh prompts of >= %d tokens attend through SDPA",
+                dtype,
+                FRESH_MIN_TOKENS,
+            )
+            return FreshPrefillAttention(kernel)
+        return kernel

@@ -84,7 +84,7 @@ class CudaDevice(Device):
             for (n, k), (config, timings) in picked.items()
         }
 
-    def paged_attention(self):
+    def paged_attention(self, dtype: torch.dtype | None = None):
         # Decode steps never read back to the host, so they can be captured as graphs.
         return self._operator or paged_attention_gather
 

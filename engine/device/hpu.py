@@ -44,7 +44,7 @@ class HpuDevice(Device):
     def peak_memory(self) -> int:
         return htorch.hpu.max_memory_allocated()
 
-    def paged_attention(self) -> Callable[..., None]:
+    def paged_attention(self, dtype: torch.dtype | None = None) -> Callable[..., None]:
         """The flat-token operator (``--shape-policy flat``) in the flat block layout: decode steps in fixed
         ``(batch, table width)`` shapes whose batch/block mapping runs as matmuls, prompt steps through Gaudi's
         fused SDPA. The default ``buckets`` policy runs its own padded 3-D shapes (:mod:`engine.attention`)."""

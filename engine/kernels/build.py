@@ -4,7 +4,8 @@ Each kernel source is compiled into its own library under ``$BUCKETSERVE_CACHE/e
 covering the source, the headers beside it, the torch version, the compiler flags and the CPU capability torch
 detected, so a cache folder shared between machines or torch upgrades never loads a stale or foreign binary.
 Loading is once per process; each library registers its operator under ``torch.ops.bucketserve_cpu``:
-``paged_attention`` (``paged_attention_cpu.cpp``) and ``skinny_linear`` (``skinny_linear_cpu.cpp``).
+``paged_attention`` (``paged_attention_cpu.cpp``), ``skinny_linear`` (``skinny_linear_cpu.cpp``) and ``rms_norm``
+(``rms_norm_cpu.cpp``).
 
 ``python -m engine.kernels.build`` prebuilds them (``make install`` does), so a server start only loads.
 """
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
 SKINNY_LINEAR_SOURCE = Path(__file__).with_name("skinny_linear_cpu.cpp")
+RMS_NORM_SOURCE = Path(__file__).with_name("rms_norm_cpu.cpp")
 OP_NAMESPACE = "bucketserve_cpu"
 
 # Vector ISA flags per capability torch itself detected on this CPU (what its own kernels dispatch to),
@@ -93,6 +95,11 @@ def load(source: Path = SOURCE, op: str = "paged_attention") -> Callable[..., An
 def load_skinny_linear() -> Callable[..., Any] | None:
     """``skinny_linear(x, panels, bias, n)``, or None: callers then keep oneDNN for every linear."""
     return load(SKINNY_LINEAR_SOURCE, "skinny_linear")
+
+
+def load_rms_norm() -> Callable[..., Any] | None:
+    """``rms_norm(x, weight, eps)``, or None: RMSNorm layers then keep ``F.rms_norm``."""
+    return load(RMS_NORM_SOURCE, "rms_norm")
 
 
 def _what(op: str) -> str:
@@ -182,12 +189,19 @@ def _register_fakes(op: str) -> None:
         def _gated(x, panels, n, gate_index, up_index, max_rows):
             return x.new_empty(x.shape[0], n)
 
+    elif op == "rms_norm":
+
+        @torch.library.register_fake(lib + "rms_norm")
+        def _rms_norm(x, weight, eps):
+            return torch.empty_like(x, memory_format=torch.contiguous_format)
+
 
 def main() -> int:
     """Prebuild; exit 0 either way, since the engine runs (slower) on the fallback."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     load()
     load_skinny_linear()
+    load_rms_norm()
     return 0
 
 

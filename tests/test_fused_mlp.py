@@ -1,5 +1,5 @@
 """Gated MLPs fused for few rows (gate and up in one skinny-kernel pass, SiLU and the product in its epilogue):
-the same as the unfused prepacked model to fp32 rounding (the GEMM sums are the same; ATen's SiLU takes a
+the same as the unfused prepacked model to fp32 rounding (to bf16 rounding in bf16) (the GEMM sums are the same; ATen's SiLU takes a
 scalar exp on a tensor's last few elements, the epilogue a vector one), eager and compiled, and only where
 the probe agrees."""
 
@@ -73,6 +73,28 @@ def test_the_fused_model_equals_the_unfused_one_to_fp32_rounding(silu_mul, lengt
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+@pytest.mark.parametrize("length", [9, SKINNY_MAX_M + 7])
+def test_in_bf16_the_fused_model_agrees_to_bf16_rounding(silu_mul, length: int) -> None:
+    # transformers rounds gate and up to bf16 before the SiLU and the product; the fused pass rounds once
+    plain = load_model("tiny", torch.device("cpu"), "bfloat16").model
+    fused = load_model("tiny", torch.device("cpu"), "bfloat16").model
+    for m in (plain, fused):
+        m.set_attn_implementation("sdpa")
+        prepack_linears(m)
+    mlps = [m for m in fused.modules() if type(m).__name__.endswith("MLP")]
+    assert fuse_gated_mlps(fused) == len(mlps) > 0
+    ids = torch.randint(10, 4000, (1, length), generator=torch.Generator().manual_seed(length))
+    with torch.inference_mode():
+        want, got = plain(input_ids=ids).logits.float(), fused(input_ids=ids).logits.float()
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() < 0.05 * scale
+    # the winning token agrees wherever HF's own margin is wider than that noise
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 0.05 * scale
+    assert clear.any()
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
 class GeluMLP(torch.nn.Module):
     """Same attribute names, another activation: the probe must refuse it."""
 
@@ -93,8 +115,9 @@ class SiluMLP(GeluMLP):
         self.act_fn = torch.nn.SiLU()
 
 
-def test_an_mlp_with_another_activation_keeps_its_own_forward(silu_mul) -> None:
-    mlp = GeluMLP()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_mlp_with_another_activation_keeps_its_own_forward(silu_mul, dtype: torch.dtype) -> None:
+    mlp = GeluMLP().to(dtype)
     prepack_linears(mlp)
     assert fuse_gated_mlps(mlp) == 0
     assert mlp.gate_proj.panel_weight is not None  # nothing was taken from it

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_paged_attention_kernel import dense_reference, make_case
 
 from engine.device.cpu import CpuDevice
 from engine.kernels import build
 from engine.kernels.fresh_prefill import FRESH_MIN_TOKENS, FreshPrefillAttention
-from tests.test_paged_attention_kernel import dense_reference, make_case
 
 # (q_len, seq_len): decodes, a later chunk, long fresh prompts (first, in the middle, last), a short fresh one
 MIXED = [

@@ -174,6 +174,19 @@ struct Item {
     }
   }
 
+  // NV vectors of one cached row straight into fp32 registers (bf16 widened in the load, no scratch copy). On a
+  // 2-core Xeon with AMX, bf16 `small` decode steps at context 512 against widening through scratch: batch 8
+  // 6.59-6.73 ms against 6.95-7.49, batch 128 42.0 against 47.2 (two alternating runs); fp32 takes the same loads.
+  template <int NV>
+  static void load_row(const KT* src, Vec* dst) {
+    for (int v = 0; v < NV; ++v) {
+      if constexpr (std::is_same_v<KT, float>)
+        dst[v] = Vec::loadu(src + v * VS);
+      else
+        at::vec::load_to_float<KT>(src + v * VS, dst[v]);
+    }
+  }
+
   // Few rows (decodes, short chunks): memory-bound. Every pass walks the chunk in memory order, each
   // token row holding all the item's KV heads, so the hardware prefetchers see long forward streams.
   void run_streaming() {
@@ -251,11 +264,8 @@ struct Item {
         for (int64_t j = 0; j < k; ++j) prefetch_l2(vc + sc.voff[s + j] + w.head_begin * g.v_h, nh * g.v_h);
         for (int64_t hh = 0; hh < nh; ++hh) {
           Vec kv[4][NV];
-          for (int j = 0; j < 4; ++j) {
-            const float* kr = row(kc + sc.koff[s + std::min<int64_t>(j, k - 1)] + (w.head_begin + hh) * g.k_h,
-                                  sc.kf.get() + j * D, D);
-            for (int v = 0; v < NV; ++v) kv[j][v] = Vec::loadu(kr + v * VS);
-          }
+          for (int j = 0; j < 4; ++j)
+            load_row<NV>(kc + sc.koff[s + std::min<int64_t>(j, k - 1)] + (w.head_begin + hh) * g.k_h, kv[j]);
           for (int r = 0; r < M; ++r) {
             const float* qr = sc.q.get() + (hh * M + r) * D;
             Vec acc[4];
@@ -285,9 +295,8 @@ struct Item {
             const int64_t blk = table[(p1 + s) / g.BS], slot = (p1 + s) % g.BS;
             prefetch_l2(kc + blk * g.k_b + slot * g.k_s + w.head_begin * g.k_h, nh * g.k_h);
           }
-          const float* vr = row(vc + sc.voff[s] + (w.head_begin + hh) * g.v_h, sc.vf.get(), D);
           Vec vv[NV];
-          for (int v = 0; v < NV; ++v) vv[v] = Vec::loadu(vr + v * VS);
+          load_row<NV>(vc + sc.voff[s] + (w.head_begin + hh) * g.v_h, vv);
           for (int r = 0; r < M; ++r) {
             const Vec p(P[r][s]);
             for (int v = 0; v < NV; ++v) a[r][v] = at::vec::fmadd(p, vv[v], a[r][v]);

@@ -1,7 +1,7 @@
 """Gated MLPs fused for few rows (gate and up in one skinny-kernel pass, SiLU and the product in its epilogue):
-the same as the unfused prepacked model to fp32 rounding (to bf16 rounding in bf16) (the GEMM sums are the same; ATen's SiLU takes a
-scalar exp on a tensor's last few elements, the epilogue a vector one), eager and compiled, and only where
-the probe agrees."""
+the same as the unfused prepacked model to fp32 rounding (the GEMM sums are the same; ATen's SiLU takes a
+scalar exp on a tensor's last few elements, the epilogue a vector one), in bf16 to bf16 rounding, eager and
+compiled, and only where the probe agrees."""
 
 from __future__ import annotations
 
@@ -56,15 +56,22 @@ def test_kernel_refuses_panels_that_cannot_hold_the_size(silu_mul) -> None:
         silu_mul(torch.randn(2, 24), panels, 49)
 
 
-@pytest.mark.parametrize("length", [1, 9, SKINNY_MAX_M, SKINNY_MAX_M + 7])
-def test_the_fused_model_equals_the_unfused_one_to_fp32_rounding(silu_mul, length: int) -> None:
-    plain = load_model("tiny", torch.device("cpu"), "float32").model
-    fused = load_model("tiny", torch.device("cpu"), "float32").model
+def _plain_and_fused(dtype: str) -> tuple[torch.nn.Module, torch.nn.Module, list[torch.nn.Module]]:
+    """The tiny model twice, prepacked, on transformers' own attention; the second with its MLPs fused (all of
+    them, asserted), and those MLPs."""
+    plain = load_model("tiny", torch.device("cpu"), dtype).model
+    fused = load_model("tiny", torch.device("cpu"), dtype).model
     for m in (plain, fused):
         m.set_attn_implementation("sdpa")
         prepack_linears(m)
     mlps = [m for m in fused.modules() if type(m).__name__.endswith("MLP")]
     assert fuse_gated_mlps(fused) == len(mlps) > 0
+    return plain, fused, mlps
+
+
+@pytest.mark.parametrize("length", [1, 9, SKINNY_MAX_M, SKINNY_MAX_M + 7])
+def test_the_fused_model_equals_the_unfused_one_to_fp32_rounding(silu_mul, length: int) -> None:
+    plain, fused, mlps = _plain_and_fused("float32")
     assert all(m.gate_proj.panel_weight is None and m.up_proj.panel_weight is None for m in mlps)
     ids = torch.randint(10, 4000, (1, length))
     with torch.inference_mode():
@@ -76,13 +83,7 @@ def test_the_fused_model_equals_the_unfused_one_to_fp32_rounding(silu_mul, lengt
 @pytest.mark.parametrize("length", [9, SKINNY_MAX_M + 7])
 def test_in_bf16_the_fused_model_agrees_to_bf16_rounding(silu_mul, length: int) -> None:
     # transformers rounds gate and up to bf16 before the SiLU and the product; the fused pass rounds once
-    plain = load_model("tiny", torch.device("cpu"), "bfloat16").model
-    fused = load_model("tiny", torch.device("cpu"), "bfloat16").model
-    for m in (plain, fused):
-        m.set_attn_implementation("sdpa")
-        prepack_linears(m)
-    mlps = [m for m in fused.modules() if type(m).__name__.endswith("MLP")]
-    assert fuse_gated_mlps(fused) == len(mlps) > 0
+    plain, fused, _ = _plain_and_fused("bfloat16")
     ids = torch.randint(10, 4000, (1, length), generator=torch.Generator().manual_seed(length))
     with torch.inference_mode():
         want, got = plain(input_ids=ids).logits.float(), fused(input_ids=ids).logits.float()

@@ -152,9 +152,8 @@ def _first_step_with_prompt(engine, slo_ms: float) -> int:
     engine.add_request(
         Request("d", first, SamplingParams(max_tokens=30, ignore_eos=True), slo_tpot_ms=slo_ms)
     )
-    while not engine.requests[
-        "d"
-    ].output_token_ids:  # its 8-token prompt step is too small to teach the clock
+    # its 8-token prompt step is too small to teach the clock
+    while not engine.requests["d"].output_token_ids:
         engine.step()
     engine.add_request(Request("p", second, SamplingParams(max_tokens=4), slo_tpot_ms=slo_ms))
     engine.step()

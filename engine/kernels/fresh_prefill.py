@@ -36,6 +36,22 @@ class FreshPrefillAttention:
         self.paged = paged
         self.min_tokens = min_tokens
         self.calls = 0
+        # Every layer of a step passes the same metadata tensors (the runner builds them anew for each step): the
+        # split is read from them once per step.
+        self._split_of: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._split: tuple[list[int], list[int], list[int]] = ([], [], [])
+
+    def _split_for(
+        self, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+    ) -> tuple[list[int], list[int], list[int]]:
+        """(query starts, sequence lengths, indices of the long fresh sequences) of this step's metadata."""
+        of = self._split_of
+        if of is None or of[0] is not seq_lens or of[1] is not query_start_loc:
+            starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+            fresh = [i for i, n in enumerate(lens) if n >= self.min_tokens and starts[i + 1] - starts[i] == n]
+            # The references keep the tensors alive, so a later step's tensors cannot reuse their identity.
+            self._split_of, self._split = (seq_lens, query_start_loc), (starts, lens, fresh)
+        return self._split
 
     def __call__(
         self,
@@ -48,9 +64,7 @@ class FreshPrefillAttention:
         query_start_loc: torch.Tensor,  # [B + 1] int32
         scale: float,
     ) -> None:
-        starts = query_start_loc.tolist()
-        lens = seq_lens.tolist()
-        fresh = [i for i, n in enumerate(lens) if n >= self.min_tokens and starts[i + 1] - starts[i] == n]
+        starts, lens, fresh = self._split_for(seq_lens, query_start_loc)
         if not fresh:
             self.paged(out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
             return

@@ -133,6 +133,32 @@ def _wants_panels(dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.bfloat16) and _CPU in ("AVX512", "AVX2")
 
 
+def prepack_linear(module: torch.nn.Linear, panels: bool) -> None:
+    """Prepack one linear layer for oneDNN (and for the skinny kernel too where ``panels``, which needs the
+    kernel extension) and swap its forward for the packed one."""
+    ops = _kernels()
+    w = module.weight.detach()  # [N, K]
+    index = _register(module)
+    module.panel_weight = panel_layout(w) if panels and ops is not None else None
+    module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_M)
+    module.packed_index = index
+    if ops is not None:
+        ops.remember_packed(index, module.packed_weight)
+        weakref.finalize(module, ops.forget_packed, index)
+        module.forward = MethodType(_dispatched_forward, module)
+    else:
+        module.forward = MethodType(_onednn_forward, module)
+
+
+def unpack_linear(module: torch.nn.Linear) -> None:
+    """Undo ``prepack_linear``: the packed copies go, the layer runs its own ``F.linear`` again."""
+    ops = _kernels()
+    if ops is not None and getattr(module, "packed_index", None) is not None:
+        ops.forget_packed(module.packed_index)
+    module.panel_weight = module.packed_weight = module.packed_index = None
+    module.__dict__.pop("forward", None)
+
+
 def prepack_linears(model: torch.nn.Module) -> int:
     """Swap every linear layer's forward for a prepacked oneDNN one (and the skinny kernel for few rows);
     returns how many were packed."""
@@ -142,17 +168,7 @@ def prepack_linears(model: torch.nn.Module) -> int:
     ops = _kernels()
     panels = ops is not None and _wants_panels(linears[0].weight.dtype)
     for module in linears:
-        w = module.weight.detach()  # [N, K]
-        index = _register(module)
-        module.panel_weight = panel_layout(w) if panels else None
-        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_M)
-        module.packed_index = index
-        if ops is not None:
-            ops.remember_packed(index, module.packed_weight)
-            weakref.finalize(module, ops.forget_packed, index)
-            module.forward = MethodType(_dispatched_forward, module)
-        else:
-            module.forward = MethodType(_onednn_forward, module)
+        prepack_linear(module, panels)
     logger.info(
         "prepacked %d linear layers for oneDNN%s",
         len(linears),

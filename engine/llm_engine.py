@@ -22,6 +22,7 @@ from engine.config import EngineConfig, resolve_engine_config
 from engine.device import get_device
 from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION
 from engine.flat_runner import FlatRunner
+from engine.fused_attention import fuse_attention_layers
 from engine.fused_mlp import fuse_gated_mlps
 from engine.fused_norm import fuse_rms_norms
 from engine.graph_shapes import graph_ladder
@@ -79,11 +80,15 @@ class LLMEngine:
         self.runner: FlatRunner | ModelRunner
         if cfg.shape_policy == "flat":
             self.loaded.model.set_attn_implementation(FLAT_ATTN_IMPLEMENTATION)
+            attend = self.device.paged_attention(getattr(torch, self.kv_spec.dtype))
+            if self.device.name == "cpu" and not cfg.compile:
+                # A compiled forward fuses this glue itself, and the fused layer reads the forward context.
+                fuse_attention_layers(self.loaded.model, attend, getattr(torch, self.kv_spec.dtype))
             self.runner = FlatRunner(
                 self.loaded.model,
                 self.kv_cache,
                 self.device,
-                self.device.paged_attention(getattr(torch, self.kv_spec.dtype)),
+                attend,
                 sched.max_num_batched_tokens,
                 compile_forward=cfg.compile,
                 # Decode graphs (where the device captures them) up to 256 sequences and the longest context.

@@ -4,8 +4,8 @@ Each kernel source is compiled into its own library under ``$BUCKETSERVE_CACHE/e
 covering the source, the headers beside it, the torch version, the compiler flags and the CPU capability torch
 detected, so a cache folder shared between machines or torch upgrades never loads a stale or foreign binary.
 Loading is once per process; each library registers its operator under ``torch.ops.bucketserve_cpu``:
-``paged_attention`` (``paged_attention_cpu.cpp``), ``skinny_linear`` (``skinny_linear_cpu.cpp``) and ``rms_norm``
-(``rms_norm_cpu.cpp``).
+``paged_attention`` (``paged_attention_cpu.cpp``), ``skinny_linear`` (``skinny_linear_cpu.cpp``), ``rms_norm``
+(``rms_norm_cpu.cpp``) and ``rope_write_kv`` (``rotary_cpu.cpp``).
 
 ``python -m engine.kernels.build`` prebuilds them (``make install`` does), so a server start only loads.
 """
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
 SKINNY_LINEAR_SOURCE = Path(__file__).with_name("skinny_linear_cpu.cpp")
 RMS_NORM_SOURCE = Path(__file__).with_name("rms_norm_cpu.cpp")
+ROTARY_SOURCE = Path(__file__).with_name("rotary_cpu.cpp")
 OP_NAMESPACE = "bucketserve_cpu"
 
 # Vector ISA flags per capability torch itself detected on this CPU (what its own kernels dispatch to),
@@ -100,6 +101,12 @@ def load_skinny_linear() -> Callable[..., Any] | None:
 def load_rms_norm() -> Callable[..., Any] | None:
     """``rms_norm(x, weight, eps)``, or None: RMSNorm layers then keep ``F.rms_norm``."""
     return load(RMS_NORM_SOURCE, "rms_norm")
+
+
+def load_rotary() -> Callable[..., Any] | None:
+    """``rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)``, or None:
+    attention layers then keep their own forward."""
+    return load(ROTARY_SOURCE, "rope_write_kv")
 
 
 def _what(op: str) -> str:
@@ -195,6 +202,12 @@ def _register_fakes(op: str) -> None:
         def _rms_norm(x, weight, eps):
             return torch.empty_like(x, memory_format=torch.contiguous_format)
 
+    elif op == "rope_write_kv":
+
+        @torch.library.register_fake(lib + "rope_write_kv")
+        def _rope(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads):
+            return qkv.new_empty(qkv.shape[0], num_heads, k_cache.shape[-1])
+
 
 def main() -> int:
     """Prebuild; exit 0 either way, since the engine runs (slower) on the fallback."""
@@ -202,6 +215,7 @@ def main() -> int:
     load()
     load_skinny_linear()
     load_rms_norm()
+    load_rotary()
     return 0
 
 

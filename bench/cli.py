@@ -21,6 +21,7 @@ _KINDS = {
     "gpu": "bench.gpu",
     "soak": "bench.soak",
     "prefill-memory": "bench.prefill_memory",
+    "fused-attention": "bench.fused_attention",
 }
 # Libraries of the ``bench`` extra: a kind that needs a missing one says so when it is run.
 _EXTRA = {"httpx", "matplotlib"}
@@ -29,7 +30,8 @@ _EXTRA = {"httpx", "matplotlib"}
 def register(sub) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks: offline, kv, serve, sweep, monitor, latency, roofline, gpu, soak, prefill-memory",
+        help="benchmarks: offline, kv, serve, sweep, monitor, latency, roofline, gpu, soak, prefill-memory, "
+        "fused-attention",
     )
     kinds = p.add_subparsers(dest="bench_kind", metavar="KIND")
     for kind, module in _KINDS.items():

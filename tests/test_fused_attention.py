@@ -6,6 +6,8 @@ here against the unfused engine)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from engine_helpers import random_prompts, small_config
@@ -150,3 +152,15 @@ def test_in_bf16_the_fused_engine_generates_what_the_unfused_one_does(rope, monk
     plain = LLMEngine(small_config(shape_policy="flat", dtype="bfloat16"))
     assert not any(_is_fused(a) for a in _attention_layers(plain))
     assert _greedy(fused, prompts, 12) == _greedy(plain, prompts, 12)
+
+
+def test_the_paired_benchmark_reports_each_batch_with_identical_tokens(rope, tmp_path, capsys) -> None:
+    from gateway.cli import main
+
+    out = tmp_path / "fused"
+    args = ["bench", "fused-attention", "--model", "tiny", "--skip-warmup", "--batches", "1,3"]
+    assert main(args + ["--context", "20", "--steps", "4", "--json", "--out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["batch"] for r in result["rows"]] == [1, 3]
+    assert all(r["identical_tokens"] and r["fused_ms"] > 0 and r["unfused_ms"] > 0 for r in result["rows"])
+    assert (tmp_path / "fused.json").is_file() and (tmp_path / "fused.md").is_file()

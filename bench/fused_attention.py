@@ -1,0 +1,134 @@
+"""``bucketserve bench fused-attention``: decode steps with the attention layers fused against the same engine
+without them, paired step by step.
+
+Two engines in one process, one with transformers' attention forward (the fusion skipped at load), one with
+``engine/fused_attention.py``'s, each holding the same batch of sequences at the same context; they step in turn
+(which one goes first alternates), so both see the same moments of a shared host's noise, and each pair of steps
+gives one ratio. Reported per batch size: both engines' median step times and the median ratio fused / unfused
+with its quartiles. fp32 outputs must be identical token for token (checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def register(sub) -> None:
+    from engine.args import add_engine_args
+
+    p = sub.add_parser(
+        "fused-attention", help="decode steps with fused attention layers against without, paired"
+    )
+    add_engine_args(p)
+    p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")
+    p.add_argument("--context", type=int, default=512, help="context length at the first timed step")
+    p.add_argument("--steps", type=int, default=100, help="timed step pairs per batch size")
+    p.add_argument("--json", action="store_true", help="last line: one JSON object")
+    p.add_argument("--out", default="bench/results/fused_attention", help="report path (without extension)")
+    p.set_defaults(func=run, model="small")
+
+
+def _engines(cfg):
+    import engine.llm_engine as llm_engine
+
+    fuse = llm_engine.fuse_attention_layers
+    llm_engine.fuse_attention_layers = lambda *args: 0
+    try:
+        plain = llm_engine.LLMEngine(cfg)
+    finally:
+        llm_engine.fuse_attention_layers = fuse
+    return plain, llm_engine.LLMEngine(cfg)
+
+
+def _start(engine, batch: int, context: int, steps: int):
+    """``batch`` sequences prefilled to ``context`` tokens and decoding, with room for ``steps`` more."""
+    from bench.roofline import _prompts
+    from engine.request import Request, SamplingParams
+
+    vocab = engine.loaded.model.config.vocab_size
+    sp = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    reqs = [Request(f"fa-{batch}-{i}", p, sp) for i, p in enumerate(_prompts(batch, context, vocab, batch))]
+    chunk = max(1, engine.config.scheduler.max_num_batched_tokens // context)
+    for s in range(0, batch, chunk):
+        part = reqs[s : s + chunk]
+        engine.prefill_only(part)
+        for r in part:
+            engine.admit_prefilled(engine.detach(r.request_id))
+    engine.step()  # untimed first decode step
+    return reqs
+
+
+def _finish(engine, reqs) -> None:
+    for r in reqs:
+        engine.abort(r.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
+
+
+def paired_steps(plain, fused, batch: int, context: int, steps: int) -> dict:
+    ra, rb = _start(plain, batch, context, steps), _start(fused, batch, context, steps)
+    times: dict[str, list[float]] = {"unfused": [], "fused": []}
+    for i in range(steps):
+        order = [("unfused", plain), ("fused", fused)]
+        for name, engine in order if i % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            engine.step()
+            times[name].append(time.perf_counter() - t0)
+    same = [r.output_token_ids for r in ra] == [r.output_token_ids for r in rb]
+    _finish(plain, ra)
+    _finish(fused, rb)
+    ratios = [f / u for u, f in zip(times["unfused"], times["fused"], strict=True)]
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return {
+        "batch": batch,
+        "unfused_ms": statistics.median(times["unfused"]) * 1e3,
+        "fused_ms": statistics.median(times["fused"]) * 1e3,
+        "ratio": statistics.median(ratios),
+        "ratio_quartiles": [q1, q3],
+        "identical_tokens": same,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from bench.report import publish
+    from engine.config import config_from_args
+
+    batches = [int(b) for b in args.batches.split(",") if b]
+    cfg = config_from_args(args)
+    block = cfg.cache.block_size or 16
+    need = max(batches) * (-(-(args.context + args.steps + 16) // block) + 1) + 16
+    if cfg.cache.num_blocks is None or cfg.cache.num_blocks < need:
+        cfg = replace(cfg, cache=replace(cfg.cache, num_blocks=need, block_size=block))
+    plain, fused = _engines(cfg)
+    if plain.config.shape_policy != "flat" or plain.device.name != "cpu" or plain.config.compile:
+        raise SystemExit("bench fused-attention: the fusion applies to eager flat steps on the CPU only")
+    rows = [paired_steps(plain, fused, b, args.context, args.steps) for b in batches]
+    dtype = plain.config.dtype
+    if dtype == "float32" and not all(r["identical_tokens"] for r in rows):
+        raise SystemExit("bench fused-attention: fp32 tokens differ between the fused and unfused engines")
+    table = [("batch", "unfused ms", "fused ms", "fused / unfused (median of pairs)", "quartiles")]
+    table += [
+        (
+            str(r["batch"]),
+            f"{r['unfused_ms']:.2f}",
+            f"{r['fused_ms']:.2f}",
+            f"{r['ratio']:.3f}",
+            f"{r['ratio_quartiles'][0]:.3f}-{r['ratio_quartiles'][1]:.3f}",
+        )
+        for r in rows
+    ]
+    result = {"model": args.model, "dtype": dtype, "context": args.context, "steps": args.steps, "rows": rows}
+    publish(
+        args.out,
+        "Fused attention layers: paired decode steps",
+        result,
+        table,
+        f"{args.model}, {dtype}, context {args.context}, {args.steps} step pairs per batch",
+        args.json,
+    )
+    return 0

@@ -164,3 +164,13 @@ def test_the_paired_benchmark_reports_each_batch_with_identical_tokens(rope, tmp
     assert [r["batch"] for r in result["rows"]] == [1, 3]
     assert all(r["identical_tokens"] and r["fused_ms"] > 0 and r["unfused_ms"] > 0 for r in result["rows"])
     assert (tmp_path / "fused.json").is_file() and (tmp_path / "fused.md").is_file()
+
+
+def test_prebuild_compiles_only_what_the_cache_lacks(rope, tmp_path, monkeypatch) -> None:
+    # One kernel into an empty cache: compiled once, then found built (a second start compiles nothing).
+    monkeypatch.setenv("BUCKETSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "KERNELS", ((build.ROTARY_SOURCE, "rope_write_kv"),))
+    library = build.build_dir(build.ROTARY_SOURCE) / "bucketserve_rotary.so"
+    assert not library.exists()
+    assert build.prebuild() == 1 and library.is_file()
+    assert build.prebuild() == 0

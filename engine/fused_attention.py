@@ -110,9 +110,8 @@ def _fused_linear(module: torch.nn.Module) -> torch.nn.Linear:
     linear.weight = torch.nn.Parameter(weight, requires_grad=False)
     if bias is not None:
         linear.bias = torch.nn.Parameter(bias, requires_grad=False)
-    prepack_linear(
-        linear, panels=q.panel_weight is not None
-    )  # the skinny kernel where the model's layers use it
+    # The skinny kernel where the model's own layers use it.
+    prepack_linear(linear, panels=q.panel_weight is not None)
     return linear
 
 
@@ -146,8 +145,14 @@ def _agrees(module: torch.nn.Module, attend: AttendFn, gen: torch.Generator) -> 
         results = []
         for forward in (type(module).forward, _fused_forward):
             ctx = _probe_context(module, tokens, attend)
-            with forward_context(ctx):
-                out, _ = forward(module, hidden_states=x, position_embeddings=rope, attention_mask=None)
+            try:
+                with forward_context(ctx):
+                    out, _ = forward(module, hidden_states=x, position_embeddings=rope, attention_mask=None)
+            # A module this forward cannot stand in for may fail on the probe (a partial rotary cannot take
+            # full-width cos/sin): it keeps its own forward.
+            except Exception as e:
+                logger.debug("attention layer %d: probe failed (%s)", module.layer_idx, e)
+                return False
             results.append((out.float(), ctx.kv_data[0].float()))
         (want, want_kv), (got, got_kv) = results
         if not (
@@ -179,9 +184,8 @@ def fuse_attention_layers(model: torch.nn.Module, attend: AttendFn, cache_dtype:
             module.q_proj.out_features // module.head_dim,
             k.out_features // module.head_dim,
         )
-        module.__dict__["qkv_linear"] = _fused_linear(
-            module
-        )  # not a submodule: parameters() stay the model's
+        # Not a submodule: the model's parameters(), state_dict() and modules() stay as loaded.
+        module.__dict__["qkv_linear"] = _fused_linear(module)
         if not _agrees(module, attend, gen):
             del module.__dict__["qkv_linear"]
             del module.fused_heads

@@ -121,13 +121,24 @@ class _DoubledAttention(LlamaAttention):
         return 2 * out, weights
 
 
-def test_a_layer_that_computes_something_else_keeps_its_own_forward(rope) -> None:
+class _PartialRotaryAttention(LlamaAttention):
+    """Rotates part of each head only, so it cannot take the probe's full-width cos/sin (it raises)."""
+
+    def forward(self, hidden_states, position_embeddings=None, **kwargs):
+        cos, _ = position_embeddings
+        if cos.shape[-1] != self.head_dim // 2:
+            raise ValueError(f"rotary width {cos.shape[-1]}, expected {self.head_dim // 2}")
+        return super().forward(hidden_states, position_embeddings=position_embeddings, **kwargs)
+
+
+@pytest.mark.parametrize("odd_class", [_DoubledAttention, _PartialRotaryAttention])
+def test_a_layer_that_computes_something_else_keeps_its_own_forward(rope, odd_class) -> None:
     model = load_model("tiny", torch.device("cpu"), "float32").model
     model.set_attn_implementation(FLAT_ATTN_IMPLEMENTATION)
     prepack_linears(model)
     layers = [m for m in model.modules() if isinstance(m, LlamaAttention)]
     odd = layers[1]
-    odd.__class__ = _DoubledAttention
+    odd.__class__ = odd_class
     assert fuse_attention_layers(model, cpu_paged_attention(), torch.float32) == len(layers) - 1
     assert not _is_fused(odd) and odd.q_proj.packed_weight is not None
     assert all(_is_fused(a) for a in layers if a is not odd)

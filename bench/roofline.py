@@ -2,7 +2,10 @@
 
 In one run: the memory bandwidth (a large tensor copy) and the GEMM rate (a large matmul) of this machine,
 with the engine's thread count; then the engine's prefill (1x1024, 8x256 by default) and decode steps (batch
-1, 8, 32, 128 at context 512), each printed with its bound and the ratio measured / bound.
+1, 8, 32, 128 at context 512), each printed with its bound and the ratio measured / bound. The machine is
+measured again just before and just after each step's timed calls, and that step's bound uses the mean of those
+two readings (``--no-remeasure``: the start's for every step): on a shared 2-core Xeon the copy bandwidth read
+21 to 35 GB/s in runs minutes apart, so a bound read once at the start misjudged the later steps.
 
 A prefill's bound is its FLOPs at the GEMM rate. A decode step's bound is the larger of its bytes at the
 copy bandwidth (every layer weight and the LM head read once, every sequence's K and V read, the new K and V
@@ -22,6 +25,7 @@ import contextlib
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -39,6 +43,11 @@ def register(sub) -> None:
     p.add_argument("--context", type=int, default=512, help="context length of the decode steps")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per item (median reported)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--no-remeasure",
+        action="store_true",
+        help="bound every step by the machine figures measured at the start, not by those measured around it",
+    )
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
     p.add_argument("--out", default="bench/results/roofline", help="report path (without extension)")
     p.set_defaults(func=run, model="small")
@@ -228,19 +237,36 @@ def step_rows(
     repeats: int,
     bandwidth: float,
     rate: float,
+    remeasure: Callable[[], tuple[float, float]] | None = None,
 ) -> list[dict]:
     """Time the engine's prefill steps (``(batch, tokens)``) and decode steps (batch sizes at ``context``); one
-    report row each, against the bounds that ``bandwidth`` (bytes/s) and ``rate`` (FLOP/s) give."""
+    report row each, against the bounds that ``bandwidth`` (bytes/s) and ``rate`` (FLOP/s) give. With
+    ``remeasure`` (the machine's bandwidth and rate, measured when called), each row's bounds use instead the
+    mean of the figures measured just before and just after its steps, recorded in the row: on a shared host
+    whose bandwidth drifts by half within minutes, a bound read at the start says little of a step timed later."""
+
+    def timed(fn) -> tuple[list[float], float, float, dict]:
+        if remeasure is None:
+            return fn(), bandwidth, rate, {}
+        before = remeasure()
+        times = fn()
+        after = remeasure()
+        figures = {
+            "machine_GBps": [before[0] / 1e9, after[0] / 1e9],
+            "machine_GFLOPs": [before[1] / 1e9, after[1] / 1e9],
+        }
+        return times, (before[0] + after[0]) / 2, (before[1] + after[1]) / 2, figures
+
     rows = []
     for b, t in prefill:
         flops = shape.prefill_flops(b, t)
-        times = time_prefill(engine, b, t, repeats)
-        rows.append(_row(f"prefill {b}x{t}", times, flops / rate, "gemm", flops=flops))
+        times, _, rate_now, machine = timed(lambda b=b, t=t: time_prefill(engine, b, t, repeats))
+        rows.append(_row(f"prefill {b}x{t}", times, flops / rate_now, "gemm", flops=flops) | machine)
     for b in batches:
         flops, nbytes = shape.decode_flops(b, context), shape.decode_bytes(b, context)
-        mem_s, gemm_s = nbytes / bandwidth, flops / rate
-        phases_s = shape.phases_bound_s(b, context, bandwidth, rate)
-        times = time_decode(engine, b, context, repeats)
+        times, bw_now, rate_now, machine = timed(lambda b=b: time_decode(engine, b, context, repeats))
+        mem_s, gemm_s = nbytes / bw_now, flops / rate_now
+        phases_s = shape.phases_bound_s(b, context, bw_now, rate_now)
         row = _row(
             f"decode batch {b} @ {context}",
             times,
@@ -258,6 +284,7 @@ def step_rows(
                 "achieved_GBps": nbytes / med / 1e9,
                 "phases_bound_ms": phases_s * 1e3,
                 "ratio_phases": med / phases_s,
+                **machine,
             }
         )
     return rows
@@ -278,6 +305,14 @@ def _row(step: str, times: list[float], bound_s: float, bound: str, **figures: f
     if "flops" in figures:
         row["achieved_gflops"] = figures["flops"] / med / 1e9
     return row
+
+
+def _machine_cell(row: dict) -> str:
+    """``before-after GB/s, before-after GFLOP/s`` of a row measured with its own machine figures, else empty."""
+    if "machine_GBps" not in row:
+        return ""
+    (b0, b1), (g0, g1) = row["machine_GBps"], row["machine_GFLOPs"]
+    return f"{b0:.1f}-{b1:.1f}, {g0:.0f}-{g1:.0f}"
 
 
 def run(args: argparse.Namespace) -> None:
@@ -314,7 +349,14 @@ def run(args: argparse.Namespace) -> None:
     dtype = next(model.parameters()).dtype
     shape = ModelShape.of(model, torch.tensor([], dtype=dtype).element_size())
     bw, rate = machine["bandwidth_Bps"], machine["gemm_flops"]
-    rows = step_rows(engine, shape, prefill, batches, args.context, args.repeats, bw, rate)
+    remeasure = None
+    if not args.no_remeasure:
+
+        def remeasure() -> tuple[float, float]:
+            now = measure_machine(dtype, 3)
+            return now["bandwidth_Bps"], now["gemm_flops"]
+
+    rows = step_rows(engine, shape, prefill, batches, args.context, args.repeats, bw, rate, remeasure)
     result = {
         "model": args.model,
         "dtype": str(dtype).removeprefix("torch."),
@@ -323,13 +365,23 @@ def run(args: argparse.Namespace) -> None:
         "bandwidth_GBps": bw / 1e9,
         "gemm_GFLOPs": rate / 1e9,
         "gemm_source": machine["gemm_source"],
+        "bounds_from": "the start" if args.no_remeasure else "the machine measured around each step",
         "gemm_GFLOPs_by_source": {
             k.removeprefix("gemm_flops_"): v / 1e9 for k, v in machine.items() if k.startswith("gemm_flops_")
         },
         "rows": rows,
     }
     table = [
-        ("step", "measured ms", "bound", "bound ms", "measured / bound", "phases ms", "measured / phases")
+        (
+            "step",
+            "measured ms",
+            "bound",
+            "bound ms",
+            "measured / bound",
+            "phases ms",
+            "measured / phases",
+            "machine around it: GB/s, GFLOP/s",
+        )
     ]
     table += [
         (
@@ -340,6 +392,7 @@ def run(args: argparse.Namespace) -> None:
             f"{r['ratio']:.2f}",
             f"{r['phases_bound_ms']:.2f}" if "phases_bound_ms" in r else "",
             f"{r['ratio_phases']:.2f}" if "ratio_phases" in r else "",
+            _machine_cell(r),
         )
         for r in rows
     ]
@@ -348,7 +401,8 @@ def run(args: argparse.Namespace) -> None:
         "Roofline: engine steps against this machine's bounds",
         result,
         table,
-        f"machine: copy {bw / 1e9:.1f} GB/s, GEMM {rate / 1e9:.0f} GFLOP/s ({machine['gemm_source']}) "
-        f"({result['dtype']}, {result['threads']} threads)",
+        f"machine at the start: copy {bw / 1e9:.1f} GB/s, GEMM {rate / 1e9:.0f} GFLOP/s ({machine['gemm_source']}) "
+        f"({result['dtype']}, {result['threads']} threads)"
+        + ("" if args.no_remeasure else "; each step's bound from the machine measured around it"),
         args.json,
     )

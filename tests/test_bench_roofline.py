@@ -51,11 +51,13 @@ def test_parameter_count_is_the_models(tmp_path):
 
 
 @pytest.mark.slow
-def test_small_run_reports_every_step_with_its_bound(tmp_path, capsys):
+@pytest.mark.parametrize("remeasure", [True, False])
+def test_small_run_reports_every_step_with_its_bound(tmp_path, capsys, remeasure: bool):
     out = tmp_path / "roofline"
     rc = main(
         ["bench", "roofline", "--model", "tiny", "--skip-warmup", "--prefill", "1x64,2x32"]
         + ["--decode-batches", "1,4", "--context", "48", "--repeats", "2", "--json", "--out", str(out)]
+        + ([] if remeasure else ["--no-remeasure"])
     )
     assert rc == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -65,6 +67,15 @@ def test_small_run_reports_every_step_with_its_bound(tmp_path, capsys):
     for r in result["rows"]:
         assert r["measured_ms"] > 0 and r["bound_ms"] > 0
         assert r["ratio"] == pytest.approx(r["measured_ms"] / r["bound_ms"])
+        if remeasure:  # each step's bound from the machine measured just before and just after its steps
+            assert len(r["machine_GBps"]) == len(r["machine_GFLOPs"]) == 2
+            assert min(r["machine_GBps"] + r["machine_GFLOPs"]) > 0
+            rate = sum(r["machine_GFLOPs"]) / 2 * 1e9
+        else:  # every bound from the figures measured at the start
+            assert "machine_GBps" not in r
+            rate = result["gemm_GFLOPs"] * 1e9
+        if r["step"].startswith("prefill"):
+            assert r["bound_ms"] == pytest.approx(r["flops"] / rate * 1e3)
         if r["step"].startswith("decode"):  # never below the whole step's bound
             assert r["phases_bound_ms"] >= r["bound_ms"] * (1 - 1e-9)
             assert r["ratio_phases"] == pytest.approx(r["measured_ms"] / r["phases_bound_ms"])

@@ -12,10 +12,12 @@ Loading is once per process; each library registers its operator under ``torch.o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import time
 import warnings
@@ -130,15 +132,35 @@ def prebuild() -> int:
     ]
     if not missing or _compiler() is None:
         return 0
-    import subprocess
+    import atexit
 
     t0 = time.perf_counter()
+    # Each in a process group of its own, so that stopping it stops its compiler too.
     children = [
-        subprocess.Popen([sys.executable, "-m", "engine.kernels.build", "--only", op]) for op in missing
+        subprocess.Popen([sys.executable, "-m", "engine.kernels.build", "--only", op], start_new_session=True)
+        for op in missing
     ]
+    # A caller that exits first (a server stopped during start-up) takes its compilers with it.
+    atexit.register(_stop_children, children)
     built = sum(child.wait() == 0 for child in children)
     log.info("compiled %d of %d CPU kernels in %.1f s", built, len(missing), time.perf_counter() - t0)
     return built
+
+
+def _stop_children(children: list) -> None:
+    """Stop the compiling children still running, and their compilers (each child leads its process group)."""
+    import signal
+
+    running = [child for child in children if child.poll() is None]
+    for child in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGTERM)
+    for child in running:
+        try:
+            child.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
 
 
 def _what(op: str) -> str:

@@ -42,34 +42,10 @@ def _engines(cfg):
     return plain, llm_engine.LLMEngine(cfg)
 
 
-def _start(engine, batch: int, context: int, steps: int):
-    """``batch`` sequences prefilled to ``context`` tokens and decoding, with room for ``steps`` more."""
-    from bench.roofline import _prompts
-    from engine.request import Request, SamplingParams
-
-    vocab = engine.loaded.model.config.vocab_size
-    sp = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
-    reqs = [Request(f"fa-{batch}-{i}", p, sp) for i, p in enumerate(_prompts(batch, context, vocab, batch))]
-    chunk = max(1, engine.config.scheduler.max_num_batched_tokens // context)
-    for s in range(0, batch, chunk):
-        part = reqs[s : s + chunk]
-        engine.prefill_only(part)
-        for r in part:
-            engine.admit_prefilled(engine.detach(r.request_id))
-    engine.step()  # untimed first decode step
-    return reqs
-
-
-def _finish(engine, reqs) -> None:
-    for r in reqs:
-        engine.abort(r.request_id)
-    while engine.has_unfinished():
-        engine.step()
-    engine.check_integrity()
-
-
 def paired_steps(plain, fused, batch: int, context: int, steps: int) -> dict:
-    ra, rb = _start(plain, batch, context, steps), _start(fused, batch, context, steps)
+    from bench.roofline import finish_decoding, start_decoding
+
+    ra, rb = (start_decoding(e, batch, context, steps, prefix="fa") for e in (plain, fused))
     times: dict[str, list[float]] = {"unfused": [], "fused": []}
     for i in range(steps):
         order = [("unfused", plain), ("fused", fused)]
@@ -78,8 +54,8 @@ def paired_steps(plain, fused, batch: int, context: int, steps: int) -> dict:
             engine.step()
             times[name].append(time.perf_counter() - t0)
     same = [r.output_token_ids for r in ra] == [r.output_token_ids for r in rb]
-    _finish(plain, ra)
-    _finish(fused, rb)
+    finish_decoding(plain, ra)
+    finish_decoding(fused, rb)
     ratios = [f / u for u, f in zip(times["unfused"], times["fused"], strict=True)]
     q1, _, q3 = statistics.quantiles(ratios, n=4)
     return {

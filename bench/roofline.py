@@ -197,34 +197,48 @@ def time_prefill(engine, batch: int, tokens: int, repeats: int) -> list[float]:
     return times
 
 
-def time_decode(engine, batch: int, context: int, repeats: int, around=contextlib.nullcontext) -> list[float]:
-    """Wall time of ``repeats`` decode steps of ``batch`` sequences at ``context``; the timed steps run inside
-    ``around()`` (a profiler, say)."""
+def start_decoding(engine, batch: int, context: int, steps: int, prefix: str = "dc") -> list:
+    """``batch`` sequences prefilled to ``context`` tokens (untimed) and handed to decode, with room for ``steps``
+    full decode steps after one untimed first step (an engine that overlaps decode steps stops launching ahead a
+    step before a request's last token)."""
     from engine.request import Request, SamplingParams
 
     vocab = engine.loaded.model.config.vocab_size
-    # Room for every timed step to be a full one: an engine that overlaps decode steps stops launching ahead
-    # a step before a request's last token.
-    sp = SamplingParams(max_tokens=repeats + 4, ignore_eos=True)
-    reqs = [Request(f"dc-{batch}-{i}", p, sp) for i, p in enumerate(_prompts(batch, context, vocab, batch))]
+    sp = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
+    reqs = [
+        Request(f"{prefix}-{batch}-{i}", p, sp) for i, p in enumerate(_prompts(batch, context, vocab, batch))
+    ]
     chunk = max(1, engine.config.scheduler.max_num_batched_tokens // context)
-    for s in range(0, batch, chunk):  # prefill the contexts (untimed), then hand them to decode
+    for s in range(0, batch, chunk):
         part = reqs[s : s + chunk]
         engine.prefill_only(part)
         for r in part:
             engine.admit_prefilled(engine.detach(r.request_id))
     engine.step()  # untimed first decode step
+    return reqs
+
+
+def finish_decoding(engine, reqs: list) -> None:
+    """Abort ``reqs``, run out any step still in flight (it frees the aborted requests' blocks), check the
+    block accounting."""
+    for r in reqs:
+        engine.abort(r.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
+
+
+def time_decode(engine, batch: int, context: int, repeats: int, around=contextlib.nullcontext) -> list[float]:
+    """Wall time of ``repeats`` decode steps of ``batch`` sequences at ``context``; the timed steps run inside
+    ``around()`` (a profiler, say)."""
+    reqs = start_decoding(engine, batch, context, repeats)
     times = []
     with around():
         for _ in range(repeats):
             t0 = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t0)
-    for r in reqs:
-        engine.abort(r.request_id)
-    while engine.has_unfinished():  # a step still in flight frees the aborted requests' blocks
-        engine.step()
-    engine.check_integrity()
+    finish_decoding(engine, reqs)
     return times
 
 

@@ -14,22 +14,27 @@ import torch
 from transformers import AttentionInterface
 
 from engine.attention import write_slots
-from engine.forward_context import current_context
+from engine.forward_context import ForwardContext, current_context
 
 FLAT_ATTN_IMPLEMENTATION = "bucketserve_flat"
+
+
+def attend_written_layer(ctx: ForwardContext, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """Once ``layer``'s new K/V are in the cache: report it (``on_layer_written``), then attend over the paged
+    cache. query [T, H, D] -> out [T, H, D]."""
+    if ctx.on_layer_written is not None:
+        ctx.on_layer_written(layer)
+    out = torch.empty_like(query)  # [T, H, D]
+    k_cache, v_cache = ctx.kv_data[layer, 0], ctx.kv_data[layer, 1]  # [NB + 1, BS, KVH, D] each
+    ctx.attend(out, query, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.query_start_loc, scale)
+    return out
 
 
 def _write_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float):
     # query [T, H, D]; key/value [T, KVH, D]
     ctx = current_context()
     write_slots(ctx.kv_data, layer, ctx.slot_mapping, key, value)
-    k_cache = ctx.kv_data[layer, 0]  # [NB + 1, BS, KVH, D]
-    v_cache = ctx.kv_data[layer, 1]
-    if ctx.on_layer_written is not None:
-        ctx.on_layer_written(layer)
-    out = torch.empty_like(query)  # [T, H, D]
-    ctx.attend(out, query, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.query_start_loc, scale)
-    return out
+    return attend_written_layer(ctx, layer, query, scale)
 
 
 # Opaque to torch.compile: it mutates the cache (a tensor the graph never sees) and reads the context, so the

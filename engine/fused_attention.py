@@ -26,7 +26,7 @@ from types import MethodType
 
 import torch
 
-from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION
+from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION, attend_written_layer
 from engine.forward_context import AttendFn, ForwardContext, current_context, forward_context
 from engine.linear_prepack import SKINNY_MAX_M, prepack_linear, unpack_linear
 
@@ -63,21 +63,17 @@ def _fused_forward(
     d = self.head_dim
     ctx = current_context()
     layer = self.layer_idx
-    k_cache, v_cache = ctx.kv_data[layer, 0], ctx.kv_data[layer, 1]  # [NB + 1, BS, KVH, D] each
     q = torch.ops.bucketserve_cpu.rope_write_kv(
         qkv,
         cos.view(-1, d),
         sin.view(-1, d),
-        k_cache,
-        v_cache,
+        ctx.kv_data[layer, 0],  # [NB + 1, BS, KVH, D]: the rotated keys go to their slots
+        ctx.kv_data[layer, 1],  # the values
         ctx.slot_mapping,
         self.fused_heads[0],
         self.fused_heads[1],
     )  # [T, H, D]
-    if ctx.on_layer_written is not None:
-        ctx.on_layer_written(layer)
-    out = torch.empty_like(q)  # [T, H, D]
-    ctx.attend(out, q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.query_start_loc, self.scaling)
+    out = attend_written_layer(ctx, layer, q, self.scaling)  # [T, H, D]
     return self.o_proj(out.view(*shape, -1)), None  # [1, T, hidden]
 
 

@@ -125,11 +125,7 @@ def prebuild() -> int:
     own (which loads nothing into this one), so that the loads which follow find them built; returns how many
     were compiled. Loaded one after another, the four took 67 s on one core of a 2-core Xeon, and both workers of
     a fresh ``serve`` waited for them in turn; side by side, 41.5 s."""
-    missing = [
-        op
-        for source, op in KERNELS
-        if source.is_file() and not (build_dir(source) / f"{_library_name(source)}.so").is_file()
-    ]
+    missing = [op for source, op in KERNELS if source.is_file() and not _library_path(source).is_file()]
     if not missing or _compiler() is None:
         return 0
     import atexit
@@ -177,16 +173,21 @@ def _build_and_load(source: Path, op: str) -> Callable[..., Any] | None:
         return None
     target = build_dir(source)
     t0 = time.perf_counter()
-    if not _load_built(source, target, op) and not _build(source, target, op):
+    if not _load_built(source, op) and not _build(source, target, op):
         return None
     _register_fakes(op)
     log.info("%s loaded from %s in %.1f s", _what(op), target, time.perf_counter() - t0)
     return getattr(getattr(torch.ops, OP_NAMESPACE), op)
 
 
-def _load_built(source: Path, target: Path, op: str) -> bool:
+def _library_path(source: Path) -> Path:
+    """Where the library of ``source`` built for this source, torch and flags lies."""
+    return build_dir(source) / f"{_library_name(source)}.so"
+
+
+def _load_built(source: Path, op: str) -> bool:
     """A binary already built for this exact source, torch and flags loads without compiler or ninja."""
-    library = target / f"{_library_name(source)}.so"
+    library = _library_path(source)
     if not library.is_file():
         return False
     try:

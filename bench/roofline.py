@@ -342,8 +342,11 @@ def run(args: argparse.Namespace) -> None:
     batches = [int(b) for b in args.decode_batches.split(",") if b]
     cfg = config_from_args(args)
     block = cfg.cache.block_size or 16
-    # Enough KV for the largest decode batch at its context (plus the timed steps), whatever the default cap.
-    need = max(batches) * (-(-(args.context + args.repeats + 4) // block) + 1) + 16
+    # Enough KV for the largest decode batch at its context (plus the timed steps) and for the largest prefill,
+    # whatever the default cap.
+    decode_need = max(batches, default=0) * (-(-(args.context + args.repeats + 4) // block) + 1)
+    prefill_need = max((b * (-(-t // block) + 1) for b, t in prefill), default=0)
+    need = max(decode_need, prefill_need) + 16
     if cfg.cache.num_blocks is None or cfg.cache.num_blocks < need:
         from dataclasses import replace
 

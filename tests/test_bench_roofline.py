@@ -81,3 +81,17 @@ def test_small_run_reports_every_step_with_its_bound(tmp_path, capsys, remeasure
             assert r["ratio_phases"] == pytest.approx(r["measured_ms"] / r["phases_bound_ms"])
     saved = json.loads(out.with_suffix(".json").read_text())
     assert saved["result"] == result and "Roofline" in saved["title"]
+
+
+@pytest.mark.slow
+def test_prefill_only_run_sizes_the_cache_for_its_prefills(tmp_path, capsys):
+    # No decode rows, and prefills far larger than a decode at this context would need: the cache is sized
+    # for the largest prefill, not for the decodes alone.
+    rc = main(
+        ["bench", "roofline", "--model", "tiny", "--skip-warmup", "--prefill", "8x128", "--decode-batches", ""]
+        + ["--context", "16", "--repeats", "2", "--json", "--out", str(tmp_path / "roofline")]
+    )
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["step"] for r in result["rows"]] == ["prefill 8x128"]
+    assert result["rows"][0]["measured_ms"] > 0

@@ -183,6 +183,15 @@ def test_kernel_decodes_other_head_dims(kernel, head_dim: int, kvh: int, dtype: 
         _check(kernel, make_case(KINDS[kind], kvh, 16, dtype, seed=head_dim, head_dim=head_dim))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [24, 72, 288])
+def test_kernel_prefill_tiles_other_head_dims(kernel, head_dim: int, dtype: torch.dtype) -> None:
+    # Prefill tiles pack K rows at a stride of 64, 128 or 256 compiled into their GEMM (head dims 24 and 72: a
+    # partial last vector), and at the head dim itself above that (288): all against the dense reference.
+    for kind in ("prefill", "chunked"):
+        _check(kernel, make_case(KINDS[kind], 4, 16, dtype, seed=head_dim, head_dim=head_dim))
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("kind", ["decode8", "chunked", "mixed"])
 def test_bf16_matches_dense(kind: str, impl: str, request: pytest.FixtureRequest) -> None:

@@ -17,7 +17,10 @@
 //   in memory order, whole token rows, with 4-slot dots and AXPYs; for 1, 2 or 4 rows per KV head and a
 //   head dim of 2, 4 or 8 vectors, a fixed-shape variant with K rows shared across the rows and the
 //   V accumulator in registers. Many rows (prefill tiles of ~128 rows:
-//   compute-bound): S^T = K Q^T and P V are register-blocked mini GEMMs, the softmax vectorised over rows.
+//   compute-bound): S^T = K Q^T and P V are register-blocked mini GEMMs over each chunk's K/V rows copied
+//   into scratch at fixed strides, the softmax vectorised over rows. A 1024-token prompt of 8 query heads
+//   over 4 KV heads, head dim 64: 5.3-5.4 ms a layer on a 2-core AVX-512 host (~200 GFLOP/s of useful causal
+//   work, the GEMMs at its matmul rate) against 8.7-9.0 ms with per-row pointers into the cache.
 // - bf16 K/V/Q are widened to fp32 in per-thread scratch: compute is always fp32.
 // - Threads pull work items from an atomic counter, longest first: causal tiles differ a lot in cost.
 #include <ATen/Parallel.h>
@@ -27,6 +30,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -59,36 +63,43 @@ struct WorkItem {
 inline int64_t chunk_slots(int64_t BS) { return BS * std::max<int64_t>(1, kChunkSlots / BS); }
 
 // Per-thread scratch, uninitialised, sized for the largest item of the call (``rows``: query rows of all
-// its KV heads together).
+// its KV heads together). Every buffer starts on a cache line: a vector load that straddles two lines costs two, and with
+// the default 16-byte alignment the prefill GEMMs' operands fell either way from one process to the next (a
+// 1024-token prompt's attention took 6.2 or 11.5 ms a layer on the same host).
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
 template <typename T>
-using Buf = std::unique_ptr<T[]>;
+using Buf = std::unique_ptr<T[], FreeDeleter>;
+template <typename T>
+Buf<T> aligned_buffer(int64_t n) {
+  const size_t bytes = round_up(std::max<int64_t>(n, 1) * static_cast<int64_t>(sizeof(T)), 64);
+  T* p = static_cast<T*>(std::aligned_alloc(64, bytes));
+  TORCH_CHECK(p != nullptr, "paged_attention: cannot allocate ", bytes, " bytes of scratch");
+  return Buf<T>(p);
+}
 
 struct Scratch {
   Buf<float> q, s, acc, m, l, mnew, alpha, qt, kf, vf;
   Buf<int64_t> koff, voff;
-  Buf<const float*> krow, vrow, qtrow, prow;
   int64_t ldq;  // row length of Q^T and S^T: the tile's rows, padded to whole vectors
+  int64_t ldk;  // row stride of a prefill tile's K rows packed in kf
   Scratch(int64_t rows, int64_t D, int64_t BS) {
     const int64_t ch = chunk_slots(BS), np = round_up(ch, VS);
     ldq = round_up(rows, VS);
-    q.reset(new float[rows * D]);
-    s.reset(new float[std::max(rows * np, ch * ldq)]);
-    acc.reset(new float[rows * D]);
-    m.reset(new float[rows]);
-    l.reset(new float[rows]);
-    mnew.reset(new float[ldq]);
-    alpha.reset(new float[ldq]);
-    qt.reset(new float[D * ldq]);
-    kf.reset(new float[ch * D]);
-    vf.reset(new float[ch * D]);
-    koff.reset(new int64_t[ch]);
-    voff.reset(new int64_t[ch]);
-    krow.reset(new const float*[ch]);
-    vrow.reset(new const float*[ch]);
-    qtrow.reset(new const float*[D]);
-    prow.reset(new const float*[rows]);
-    for (int64_t d = 0; d < D; ++d) qtrow[d] = qt.get() + d * ldq;
-    for (int64_t r = 0; r < rows; ++r) prow[r] = s.get() + r;
+    ldk = packed_stride(D);
+    q = aligned_buffer<float>(rows * D);
+    s = aligned_buffer<float>(std::max(rows * np, ch * ldq));
+    acc = aligned_buffer<float>(rows * D);
+    m = aligned_buffer<float>(rows);
+    l = aligned_buffer<float>(rows);
+    mnew = aligned_buffer<float>(ldq);
+    alpha = aligned_buffer<float>(ldq);
+    qt = aligned_buffer<float>(D * ldq);
+    kf = aligned_buffer<float>(ch * ldk);
+    vf = aligned_buffer<float>(ch * D);
+    koff = aligned_buffer<int64_t>(ch);
+    voff = aligned_buffer<int64_t>(ch);
   }
 };
 
@@ -331,7 +342,9 @@ struct Item {
   }
 
   // Many rows (prefill tiles): compute-bound. Per KV head, S^T = K Q^T and acc += P V are register-blocked
-  // mini GEMMs reading K/V rows in place (Q^T is built once per tile); later tiles re-read K/V from cache.
+  // mini GEMMs (Q^T is built once per tile). Each chunk's K and V rows are first copied (bf16 widened) into
+  // scratch at fixed strides, so the GEMMs address them off one pointer: the copy is one vector load and store
+  // per D / 16 elements against the tile's M FMAs on each, under 1% at 128 rows; later tiles re-read K/V.
   void run_tiled() {
     const int64_t M = rows(), D = g.D, ld = sc.ldq;
     const int64_t ch = chunk_slots(g.BS);
@@ -347,13 +360,21 @@ struct Item {
         const int64_t n = std::min(ch, kv_end - p0);
         locate(p0, n);
         for (int64_t s = 0; s < n; ++s) {
-          sc.krow[s] = row(kc + sc.koff[s] + h * g.k_h, sc.kf.get() + s * D, D);
-          sc.vrow[s] = row(vc + sc.voff[s] + h * g.v_h, sc.vf.get() + s * D, D);
+          to_float(kc + sc.koff[s] + h * g.k_h, sc.kf.get() + s * sc.ldk, D);
+          to_float(vc + sc.voff[s] + h * g.v_h, sc.vf.get() + s * D, D);
         }
-        small_gemm(sc.krow.get(), 1, sc.qtrow.get(), St, ld, n, D, M, false);  // S^T[n, M] = K Q^T
+        // The next chunk's rows of this head into L2 while this one computes (the copies above waited on them).
+        for (int64_t s = p0 + ch; s < std::min(p0 + 2 * ch, kv_end); ++s) {
+          const int64_t blk = table[s / g.BS], slot = s % g.BS;
+          prefetch_l2(kc + blk * g.k_b + slot * g.k_s + h * g.k_h, D);
+          prefetch_l2(vc + blk * g.v_b + slot * g.v_s + h * g.v_h, D);
+        }
+        // S^T[n, M] = K Q^T: A(s, d) = kf[s * ldk + d], B(d, r) = qt[d * ld + r]
+        panel_gemm_rows_strided(sc.kf.get(), sc.ldk, sc.qt.get(), ld, St, ld, n, D, M);
         softmax_chunk_t(St, ld, acc, sc.m.get() + hh * M, sc.l.get() + hh * M, sc.mnew.get(), sc.alpha.get(), M,
                         D, n, ctx_start + w.q_begin, g.G, p0);
-        small_gemm(sc.prow.get(), ld, sc.vrow.get(), acc, D, M, n, D, true);  // acc[M, D] += P[M, n] V[n, D]
+        // acc[M, D] += P[M, n] V[n, D]: A(r, s) = St[s * ld + r], B(s, d) = vf[s * D + d]
+        panel_gemm<1>(St, 1, ld, sc.vf.get(), D, acc, D, M, n, D, true);
       }
     }
   }

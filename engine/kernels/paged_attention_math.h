@@ -39,58 +39,91 @@ inline void to_float(const T* src, float* dst, int64_t n, float mul = 1.f) {
   for (; d < n; ++d) dst[d] = static_cast<float>(src[d]) * mul;
 }
 
-// C[R, N] (+)= A[R, K] . B[K, N], fp32. A(r, k) = A[r][k * acs] and B's rows are given by pointers, since
-// rows of K/V blocks lie anywhere in the cache. R <= 8 rows x 2 column vectors of C stay in registers (16 of
-// AVX-512's 32); A's elements are broadcast, so each pair of B loads feeds 2R FMAs.
-template <int R>
-inline void gemm_rows(const float* const* A, int64_t acs, const float* const* B, float* C, int64_t ldc,
-                      int64_t K, int64_t N, bool accumulate) {
-  for (int64_t n0 = 0; n0 < N; n0 += 2 * VS) {
-    const int64_t c0 = std::min(VS, N - n0);
-    const int64_t c1 = std::max<int64_t>(0, std::min(VS, N - n0 - VS));
+// C[R, N] (+)= A[R, K] . B[K, N], fp32, on operands in scratch: A(r, k) = A[r * ars + k * acs] and
+// B(k, n) = B[k * ldb + n]. R <= 8 rows x 2 column vectors of C stay in registers (16 of AVX-512's 32); A's
+// elements are broadcast, so each pair of B loads feeds 2R FMAs. ARS, A's row stride, is a template argument
+// where the caller knows it (0: the runtime ``ars``), so the R broadcasts of one k are constant offsets from one
+// pointer: with a pointer per row (K/V rows read in place, anywhere in the cache) the eight pointers spilled to
+// vector registers and each broadcast cost a move on an FMA port (a 1024-token prompt's attention ran at ~120
+// GFLOP/s on a 2-core AVX-512 host whose matmul runs at ~320).
+template <int R, int64_t ARS>
+inline void panel_rows(const float* A, int64_t ars_rt, int64_t acs, const float* B, int64_t ldb, float* C,
+                       int64_t ldc, int64_t K, int64_t N, bool accumulate) {
+  const int64_t ars = ARS ? ARS : ars_rt;
+  int64_t n0 = 0;
+  for (; n0 + 2 * VS <= N; n0 += 2 * VS) {
     Vec acc[R][2];
     for (int r = 0; r < R; ++r) {
-      acc[r][0] = accumulate ? Vec::loadu(C + r * ldc + n0, c0) : Vec(0.f);
-      acc[r][1] = (accumulate && c1 > 0) ? Vec::loadu(C + r * ldc + n0 + VS, c1) : Vec(0.f);
+      acc[r][0] = accumulate ? Vec::loadu(C + r * ldc + n0) : Vec(0.f);
+      acc[r][1] = accumulate ? Vec::loadu(C + r * ldc + n0 + VS) : Vec(0.f);
     }
-    if (c1 > 0) {
-      for (int64_t k = 0; k < K; ++k) {
-        const Vec b0 = Vec::loadu(B[k] + n0, c0);
-        const Vec b1 = Vec::loadu(B[k] + n0 + VS, c1);
-        for (int r = 0; r < R; ++r) {
-          const Vec a(A[r][k * acs]);
-          acc[r][0] = at::vec::fmadd(a, b0, acc[r][0]);
-          acc[r][1] = at::vec::fmadd(a, b1, acc[r][1]);
-        }
-      }
-    } else {
-      for (int64_t k = 0; k < K; ++k) {
-        const Vec b0 = Vec::loadu(B[k] + n0, c0);
-        for (int r = 0; r < R; ++r) acc[r][0] = at::vec::fmadd(Vec(A[r][k * acs]), b0, acc[r][0]);
+    const float* a = A;
+    const float* b = B + n0;
+    for (int64_t k = 0; k < K; ++k, a += acs, b += ldb) {
+      const Vec b0 = Vec::loadu(b);
+      const Vec b1 = Vec::loadu(b + VS);
+      for (int r = 0; r < R; ++r) {
+        const Vec x(a[r * ars]);
+        acc[r][0] = at::vec::fmadd(x, b0, acc[r][0]);
+        acc[r][1] = at::vec::fmadd(x, b1, acc[r][1]);
       }
     }
     for (int r = 0; r < R; ++r) {
-      acc[r][0].store(C + r * ldc + n0, c0);
-      if (c1 > 0) acc[r][1].store(C + r * ldc + n0 + VS, c1);
+      acc[r][0].store(C + r * ldc + n0);
+      acc[r][1].store(C + r * ldc + n0 + VS);
     }
+  }
+  for (; n0 < N; n0 += VS) {  // the last one or two vectors of columns, the last one maybe partial
+    const int64_t c = std::min(VS, N - n0);
+    Vec acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = accumulate ? Vec::loadu(C + r * ldc + n0, c) : Vec(0.f);
+    const float* a = A;
+    const float* b = B + n0;
+    for (int64_t k = 0; k < K; ++k, a += acs, b += ldb) {
+      const Vec b0 = Vec::loadu(b, c);
+      for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(Vec(a[r * ars]), b0, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) acc[r].store(C + r * ldc + n0, c);
   }
 }
 
-inline void small_gemm(const float* const* A, int64_t acs, const float* const* B, float* C, int64_t ldc, int64_t M,
-                int64_t K, int64_t N, bool accumulate) {
+// C[M, N] (+)= A[M, K] . B[K, N] in blocks of 8 rows (see panel_rows).
+template <int64_t ARS>
+inline void panel_gemm(const float* A, int64_t ars_rt, int64_t acs, const float* B, int64_t ldb, float* C,
+                       int64_t ldc, int64_t M, int64_t K, int64_t N, bool accumulate) {
+  const int64_t ars = ARS ? ARS : ars_rt;
   int64_t r = 0;
-  for (; r + 8 <= M; r += 8) gemm_rows<8>(A + r, acs, B, C + r * ldc, ldc, K, N, accumulate);
-  const float* const* a = A + r;
+  for (; r + 8 <= M; r += 8) panel_rows<8, ARS>(A + r * ars, ars, acs, B, ldb, C + r * ldc, ldc, K, N, accumulate);
+  const float* a = A + r * ars;
   float* c = C + r * ldc;
   switch (M - r) {
-    case 7: gemm_rows<7>(a, acs, B, c, ldc, K, N, accumulate); break;
-    case 6: gemm_rows<6>(a, acs, B, c, ldc, K, N, accumulate); break;
-    case 5: gemm_rows<5>(a, acs, B, c, ldc, K, N, accumulate); break;
-    case 4: gemm_rows<4>(a, acs, B, c, ldc, K, N, accumulate); break;
-    case 3: gemm_rows<3>(a, acs, B, c, ldc, K, N, accumulate); break;
-    case 2: gemm_rows<2>(a, acs, B, c, ldc, K, N, accumulate); break;
-    case 1: gemm_rows<1>(a, acs, B, c, ldc, K, N, accumulate); break;
+    case 7: panel_rows<7, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate); break;
+    case 6: panel_rows<6, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate); break;
+    case 5: panel_rows<5, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate); break;
+    case 4: panel_rows<4, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate); break;
+    case 3: panel_rows<3, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate); break;
+    case 2: panel_rows<2, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate); break;
+    case 1: panel_rows<1, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate); break;
     default: break;
+  }
+}
+
+// The row stride of packed K rows in scratch: the head dim rounded up to one of the strides panel_gemm is
+// compiled for, or the head dim itself (a runtime stride) above them.
+inline int64_t packed_stride(int64_t D) {
+  for (int64_t s : {64, 128, 256})
+    if (D <= s) return s;
+  return D;
+}
+
+// panel_gemm with A's row stride ``ars`` (a packed_stride) as a compile-time constant where it is one.
+inline void panel_gemm_rows_strided(const float* A, int64_t ars, const float* B, int64_t ldb, float* C, int64_t ldc,
+                                    int64_t M, int64_t K, int64_t N) {
+  switch (ars) {
+    case 64: panel_gemm<64>(A, ars, 1, B, ldb, C, ldc, M, K, N, false); break;
+    case 128: panel_gemm<128>(A, ars, 1, B, ldb, C, ldc, M, K, N, false); break;
+    case 256: panel_gemm<256>(A, ars, 1, B, ldb, C, ldc, M, K, N, false); break;
+    default: panel_gemm<0>(A, ars, 1, B, ldb, C, ldc, M, K, N, false); break;
   }
 }
 
@@ -171,35 +204,106 @@ inline void softmax_chunk(float* S, int64_t np, float* acc, float* mx, float* su
 }
 
 // The same update on S^T ([n][ld], slot-major), vectorised over the M query rows: slot s is seen by
-// rows r >= G * (p0 + s - first_last_pos), a suffix, so masking is one fill per slot.
+// rows r >= G * (p0 + s - first_last_pos), a suffix, so its masked rows are a prefix of its row of S^T. Rows go
+// in blocks of up to kSoftmaxVecs vectors, each pass over the slots carrying one max or sum per vector in
+// registers: one chain per vector of rows over all n slots ran at the latency of vmaxps / vaddps, and a pass
+// of its own for the masks, the exps and the sums each read S^T again (a sixth of a 1024-token prompt's
+// attention). Same arithmetic as before, in the same order: the results are bit for bit the same.
+constexpr int64_t kSoftmaxVecs = 8;
+
+// max(a, b) lane by lane, without at::vec::maximum's NaN propagation (three more instructions per call): a
+// NaN score still makes its row's exps, sum and output NaN.
+inline Vec max_lanes(const Vec& a, const Vec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_max_ps(a, b));
+#else
+  return at::vec::maximum(a, b);
+#endif
+}
+
+// softmax_chunk_t's two passes over one block of NV vectors of rows starting at row b0 (NV a template
+// argument, so the running maxima and sums stay in registers).
+template <int NV>
+inline void softmax_block_max(const float* St, int64_t ld, const float* mx, float* mnew, int64_t M, int64_t n,
+                              int64_t b0, int64_t rmin0, int64_t G) {
+  int64_t cnt[NV];
+  Vec vmax[NV];
+  for (int v = 0; v < NV; ++v) {
+    cnt[v] = std::min(VS, M - b0 - v * VS);
+    vmax[v] = Vec::loadu(mx + b0 + v * VS, cnt[v]);
+  }
+  const Vec neg_inf(kNegInf);
+  for (int64_t s = 0; s < n; ++s) {
+    const float* row = St + s * ld + b0;
+    const int64_t masked = std::clamp<int64_t>(rmin0 + G * s, 0, M) - b0;  // rows here not seeing slot s yet
+    for (int v = 0; v < NV; ++v) {
+      if ((v + 1) * VS <= masked) continue;
+      Vec x = Vec::loadu(row + v * VS, cnt[v]);
+      if (v * VS < masked) x = Vec::set(x, neg_inf, masked - v * VS);
+      vmax[v] = max_lanes(vmax[v], x);
+    }
+  }
+  for (int v = 0; v < NV; ++v) vmax[v].store(mnew + b0 + v * VS, cnt[v]);
+}
+
+template <int NV>
+inline void softmax_block_exp(float* St, int64_t ld, const float* mnew, const float* alpha, float* sum, int64_t M,
+                              int64_t n, int64_t b0, int64_t rmin0, int64_t G) {
+  int64_t cnt[NV];
+  Vec vm[NV], vsum[NV];
+  const Vec zero(0.f);
+  for (int v = 0; v < NV; ++v) {
+    cnt[v] = std::min(VS, M - b0 - v * VS);
+    vm[v] = Vec::loadu(mnew + b0 + v * VS, cnt[v]);
+    vsum[v] = zero;
+  }
+  for (int64_t s = 0; s < n; ++s) {
+    float* row = St + s * ld + b0;
+    const int64_t masked = std::clamp<int64_t>(rmin0 + G * s, 0, M) - b0;
+    for (int v = 0; v < NV; ++v) {
+      if ((v + 1) * VS <= masked) {  // masked slots: exact zeros, whatever exp gives for -inf
+        zero.store(row + v * VS, cnt[v]);
+        continue;
+      }
+      Vec e = (Vec::loadu(row + v * VS, cnt[v]) - vm[v]).exp_u20();
+      if (v * VS < masked) e = Vec::set(e, zero, masked - v * VS);
+      e.store(row + v * VS, cnt[v]);
+      vsum[v] = vsum[v] + e;
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t r0 = b0 + v * VS;
+    (Vec::loadu(sum + r0, cnt[v]) * Vec::loadu(alpha + r0, cnt[v]) + vsum[v]).store(sum + r0, cnt[v]);
+  }
+}
+
+#define BUCKETSERVE_SOFTMAX_BLOCKS(fn, nv, ...)          \
+  switch (nv) {                                          \
+    case 8: fn<8>(__VA_ARGS__); break;                   \
+    case 7: fn<7>(__VA_ARGS__); break;                   \
+    case 6: fn<6>(__VA_ARGS__); break;                   \
+    case 5: fn<5>(__VA_ARGS__); break;                   \
+    case 4: fn<4>(__VA_ARGS__); break;                   \
+    case 3: fn<3>(__VA_ARGS__); break;                   \
+    case 2: fn<2>(__VA_ARGS__); break;                   \
+    default: fn<1>(__VA_ARGS__); break;                  \
+  }
+
 inline void softmax_chunk_t(float* St, int64_t ld, float* acc, float* mx, float* sum, float* mnew, float* alpha,
                             int64_t M, int64_t D, int64_t n, int64_t first_last_pos, int64_t G, int64_t p0) {
-  const auto rmin = [&](int64_t s) { return std::clamp<int64_t>(G * (p0 + s - first_last_pos), 0, M); };
-  for (int64_t s = 0; s < n; ++s) std::fill(St + s * ld, St + s * ld + rmin(s), kNegInf);
-  for (int64_t r0 = 0; r0 < M; r0 += VS) {
-    const int64_t c = std::min(VS, M - r0);
-    Vec vmax = Vec::loadu(mx + r0, c);
-    for (int64_t s = 0; s < n; ++s) vmax = at::vec::maximum(vmax, Vec::loadu(St + s * ld + r0, c));
-    vmax.store(mnew + r0, c);
+  const int64_t rmin0 = G * (p0 - first_last_pos);  // slot s is masked for rows below rmin0 + G * s
+  for (int64_t b0 = 0; b0 < M; b0 += kSoftmaxVecs * VS) {
+    const int64_t nv = std::min(kSoftmaxVecs, (M - b0 + VS - 1) / VS);
+    BUCKETSERVE_SOFTMAX_BLOCKS(softmax_block_max, nv, St, ld, mx, mnew, M, n, b0, rmin0, G)
   }
   for (int64_t r = 0; r < M; ++r) {
     // exp(-inf) = 0 when the row had no slot before; alpha 1 (nothing to rescale) while it has none yet.
     alpha[r] = mnew[r] == kNegInf ? 1.f : std::exp(mx[r] - mnew[r]);
     mx[r] = mnew[r];
   }
-  for (int64_t s = 0; s < n; ++s) {
-    float* row = St + s * ld;
-    for (int64_t r0 = 0; r0 < M; r0 += VS) {
-      const int64_t c = std::min(VS, M - r0);
-      (Vec::loadu(row + r0, c) - Vec::loadu(mnew + r0, c)).exp_u20().store(row + r0, c);
-    }
-    std::fill(row, row + rmin(s), 0.f);  // masked slots: exact zeros, whatever exp gave for -inf
-  }
-  for (int64_t r0 = 0; r0 < M; r0 += VS) {
-    const int64_t c = std::min(VS, M - r0);
-    Vec vsum(0.f);
-    for (int64_t s = 0; s < n; ++s) vsum = vsum + Vec::loadu(St + s * ld + r0, c);
-    (Vec::loadu(sum + r0, c) * Vec::loadu(alpha + r0, c) + vsum).store(sum + r0, c);
+  for (int64_t b0 = 0; b0 < M; b0 += kSoftmaxVecs * VS) {
+    const int64_t nv = std::min(kSoftmaxVecs, (M - b0 + VS - 1) / VS);
+    BUCKETSERVE_SOFTMAX_BLOCKS(softmax_block_exp, nv, St, ld, mnew, alpha, sum, M, n, b0, rmin0, G)
   }
   for (int64_t r = 0; r < M; ++r) {
     if (alpha[r] == 1.f) continue;
@@ -209,5 +313,6 @@ inline void softmax_chunk_t(float* St, int64_t ld, float* acc, float* mx, float*
     for (; d < D; ++d) arow[d] *= alpha[r];
   }
 }
+#undef BUCKETSERVE_SOFTMAX_BLOCKS
 
 }  // namespace bucketserve_kernels

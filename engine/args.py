@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config import (
+    COLOCATED_CPU_STEP_TOKENS,
     DEFAULT_MAX_MODEL_LEN,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_PREFILL_SEQS,
@@ -62,7 +63,8 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help=f"most tokens in one step or prefill batch (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
+        help=f"most tokens in one step or prefill batch (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS}; a colocated "
+        f"worker on a CPU: {COLOCATED_CPU_STEP_TOKENS})",
     )
     parser.add_argument(
         "--tpot-guard",

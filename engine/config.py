@@ -12,6 +12,15 @@ DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_MAX_NUM_PREFILL_SEQS = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+# A colocated engine's step budget on a CPU, where --max-num-batched-tokens is not given. One step's prompt
+# tokens delay the first token of every prompt in it and the next token of every request decoding there: 4096
+# tokens are a step of about a second on a 2-core host, so a burst's short online prompts waited for its long
+# ones. With 512, on the bursty two-class sweep (2-core Xeon, AVX-512; `small`; README), two runs each way
+# alternating: 0.93-0.94 / 0.84-0.88 / 0.84-0.85 / 0.79-0.80 / 0.78-0.84 / 0.76-0.80 at 1.5-6 req/s against
+# 0.90-0.93 / 0.84-0.86 / 0.78-0.82 / 0.71 / 0.68-0.78 / 0.72 with 4096. Accelerators keep the engine's budget:
+# their prompt steps are short and large batches are where their prefill rate comes from.
+COLOCATED_CPU_STEP_TOKENS = 512
+
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_BLOCK_SIZE = {"hpu": 128, "cuda": 16, "cpu": 16}
 # What a device runs by default: flat tokens with no padding (CPU, CUDA), or the 3-D shape buckets that HPU

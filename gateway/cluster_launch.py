@@ -48,6 +48,9 @@ class ClusterConfig:
     decode_workers: int = 1
     # Colocated mode: how many colocated workers.
     colocated_workers: int = 1
+    # Colocated mode, workers on a CPU: their step token budget in place of the engine config's (None: that
+    # one; see engine.config.COLOCATED_CPU_STEP_TOKENS).
+    colocated_cpu_step_tokens: int | None = None
     kv_transport: str = "grpc"
     transfer: TransferConfig = field(default_factory=TransferConfig)
     # Prefill workers send each layer's KV as soon as it is computed (False: each request's KV after its batch;
@@ -124,6 +127,11 @@ class ClusterConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ClusterConfig.{name} must be an int >= 1, got {value!r}")
+        value = self.colocated_cpu_step_tokens
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(
+                f"ClusterConfig.colocated_cpu_step_tokens must be an int >= 1 or None, got {value!r}"
+            )
         if not isinstance(self.local_outputs, bool):
             raise ValueError(f"ClusterConfig.local_outputs must be a bool, got {self.local_outputs!r}")
         if not isinstance(self.worker_max_restarts, int) or self.worker_max_restarts < 0:
@@ -408,6 +416,7 @@ def start_worker(
         num_threads=config.worker_threads(),
         cpu_affinity=_cores(role, index, config),
         joins=joins,
+        cpu_step_tokens=config.colocated_cpu_step_tokens if role == "colocated" else None,
     )
     return (
         ray.remote(_CLASSES[role])

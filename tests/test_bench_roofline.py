@@ -88,7 +88,17 @@ def test_prefill_only_run_sizes_the_cache_for_its_prefills(tmp_path, capsys):
     # No decode rows, and prefills far larger than a decode at this context would need: the cache is sized
     # for the largest prefill, not for the decodes alone.
     rc = main(
-        ["bench", "roofline", "--model", "tiny", "--skip-warmup", "--prefill", "8x128", "--decode-batches", ""]
+        [
+            "bench",
+            "roofline",
+            "--model",
+            "tiny",
+            "--skip-warmup",
+            "--prefill",
+            "8x128",
+            "--decode-batches",
+            "",
+        ]
         + ["--context", "16", "--repeats", "2", "--json", "--out", str(tmp_path / "roofline")]
     )
     assert rc == 0

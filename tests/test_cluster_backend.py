@@ -23,13 +23,21 @@ from gateway.cluster_backend import RayClusterBackend
 pytestmark = pytest.mark.slow
 
 MODES = ("disaggregated", "colocated")
+COLOCATED_STEP_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
 def backends(ray_session):
     # The device's default shape policy (flat tokens on CPU) in each mode, and the padded bucket policy beside it;
     # the latter's gateways take every output by drain (no local output sockets), so both ways out are run.
-    made = {mode: RayClusterBackend(cluster_config(mode, f"t-{mode}")) for mode in MODES}
+    # The colocated one takes serve's CPU step budget (its prompts then span several steps), here smaller than
+    # the engine config's 1024.
+    made = {
+        mode: RayClusterBackend(
+            cluster_config(mode, f"t-{mode}", colocated_cpu_step_tokens=COLOCATED_STEP_TOKENS)
+        )
+        for mode in MODES
+    }
     for mode in MODES:
         made[mode, "buckets"] = RayClusterBackend(
             cluster_config(mode, f"t-{mode}-b", shape_policy="buckets", local_outputs=False)
@@ -68,6 +76,8 @@ def test_greedy_matches_hf_for_16_concurrent_mixed_requests(backends, mode, poli
     stats = asyncio.run(wait_idle(backend))
     assert_no_leaks(stats)
     assert {s["shape_policy"] for s in stats.values()} == {policy}
+    budget = COLOCATED_STEP_TOKENS if (mode, policy) == ("colocated", "flat") else 1024
+    assert {s["max_num_batched_tokens"] for s in stats.values()} == {budget}, stats
     by_socket = sum(s["outputs_by_socket"] for s in stats.values())
     if policy == "flat":  # same node: the tokens came by the workers' output sockets
         assert by_socket > 0, stats

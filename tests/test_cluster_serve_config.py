@@ -182,6 +182,22 @@ def test_a_colocated_worker_uses_its_share_of_the_cores_unless_told():
         checked_cluster_config(args)
 
 
+def test_a_colocated_worker_on_a_cpu_takes_short_steps_unless_told():
+    from engine.config import COLOCATED_CPU_STEP_TOKENS, DEFAULT_MAX_NUM_BATCHED_TOKENS
+    from gateway.cluster_launch import ClusterConfig
+
+    default = cluster_config_from_args(parse(["--mode", "colocated"]))
+    assert default.colocated_cpu_step_tokens == COLOCATED_CPU_STEP_TOKENS == 512
+    assert default.engine.scheduler.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS  # accelerators
+    given = cluster_config_from_args(parse(["--mode", "colocated", "--max-num-batched-tokens", "2048"]))
+    assert given.colocated_cpu_step_tokens is None  # a budget given holds on every device
+    assert given.engine.scheduler.max_num_batched_tokens == 2048
+    with pytest.raises(
+        ValueError, match="ClusterConfig.colocated_cpu_step_tokens must be an int >= 1 or None"
+    ):
+        ClusterConfig(mode="colocated", colocated_cpu_step_tokens=0)
+
+
 def test_api_key_comes_from_the_environment_unless_given(monkeypatch):
     from gateway.commands.serve import API_KEY_ENV, api_key
 

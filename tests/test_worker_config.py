@@ -28,3 +28,20 @@ def test_stream_kv_layers_is_a_bool_or_auto() -> None:
         assert WorkerConfig(worker_id="p", role="prefill", engine=EngineConfig(), stream_kv_layers=ok)
     with pytest.raises(ValueError, match="WorkerConfig.stream_kv_layers must be a bool or None"):
         WorkerConfig(worker_id="p", role="prefill", engine=EngineConfig(), stream_kv_layers="auto")
+
+
+def test_cpu_step_tokens_replaces_the_budget_on_a_cpu_only() -> None:
+    from worker.colocated import with_step_budget
+
+    base = WorkerConfig(worker_id="c", role="colocated", engine=EngineConfig(), cpu_step_tokens=512)
+    assert base.engine.scheduler.max_num_batched_tokens == 4096
+    on_cpu = with_step_budget(base, "cpu")
+    assert on_cpu.engine.scheduler.max_num_batched_tokens == 512
+    assert on_cpu.engine.scheduler.max_model_len == base.engine.scheduler.max_model_len  # nothing else moves
+    for device in ("cuda", "hpu"):  # accelerators keep the engine's budget
+        assert with_step_budget(base, device) is base
+    unset = WorkerConfig(worker_id="c", role="colocated", engine=EngineConfig())
+    assert with_step_budget(unset, "cpu") is unset
+    for bad in (0, -1, True, 1.5, "512"):
+        with pytest.raises(ValueError, match="WorkerConfig.cpu_step_tokens must be an int >= 1 or None"):
+            WorkerConfig(worker_id="c", role="colocated", engine=EngineConfig(), cpu_step_tokens=bad)

@@ -177,6 +177,7 @@ class EngineWorker:
             "integrity_error": self._integrity_error,
             "runtime_compilations": self.engine.runner.runtime_compilations,
             "shape_policy": self.engine.config.shape_policy,
+            "max_num_batched_tokens": self.engine.config.scheduler.max_num_batched_tokens,
             "outputs_by_socket": self.outputs.sent_by_socket,
             "outputs_by_drain": self.outputs.sent_by_drain,
             **self.engine.stats,

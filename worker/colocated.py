@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import replace
 
 from engine.request import FinishReason, PriorityClass, Request, RequestOutput, RequestRejected
 from worker.actor import EngineWorker
@@ -28,11 +29,29 @@ def admission_order(req: Request) -> tuple[int, int]:
     return (0 if req.priority_class == PriorityClass.ONLINE else 1, req.priority)
 
 
+def with_step_budget(config: WorkerConfig, device: str) -> WorkerConfig:
+    """``config`` with its engine's step token budget set to ``cpu_step_tokens`` when the engine runs on the
+    CPU (``device``, resolved) and one is set; unchanged otherwise."""
+    if config.cpu_step_tokens is None or device != "cpu":
+        return config
+    scheduler = replace(config.engine.scheduler, max_num_batched_tokens=config.cpu_step_tokens)
+    return replace(config, engine=replace(config.engine, scheduler=scheduler))
+
+
 class ColocatedWorker(EngineWorker):
     role = "colocated"
 
     def __init__(self, config: WorkerConfig) -> None:
+        from engine.device import get_device
+
+        config = with_step_budget(config, get_device(config.engine.device).name)
         super().__init__(config)
+        if config.cpu_step_tokens is not None:
+            logger.info(
+                "colocated engine on %s: steps of at most %d tokens",
+                self.engine.device.name,
+                self.engine.config.scheduler.max_num_batched_tokens,
+            )
         self.engine.waiting_key = admission_order
         self._inbox: queue.SimpleQueue[tuple[str, object, threading.Event | None]] = queue.SimpleQueue()
         self._consumer: dict[str, str] = {}

@@ -40,6 +40,9 @@ class WorkerConfig:
     kv_faults: FaultInjector | None = None
     # Started by the autoscaler into a running cluster: announces itself to the controller once warmed.
     joins: bool = False
+    # Colocated, on a CPU: the engine's step token budget, in place of the engine config's (None: that one).
+    # ``serve`` sets it where --max-num-batched-tokens is not given (engine.config.COLOCATED_CPU_STEP_TOKENS).
+    cpu_step_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.worker_id, str) or not self.worker_id:
@@ -60,6 +63,14 @@ class WorkerConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"WorkerConfig.{name} must be > 0, got {value!r}")
+        if self.cpu_step_tokens is not None and (
+            not isinstance(self.cpu_step_tokens, int)
+            or isinstance(self.cpu_step_tokens, bool)
+            or self.cpu_step_tokens < 1
+        ):
+            raise ValueError(
+                f"WorkerConfig.cpu_step_tokens must be an int >= 1 or None, got {self.cpu_step_tokens!r}"
+            )
         if any(not isinstance(c, int) or c < 0 for c in self.cpu_affinity):
             raise ValueError(f"WorkerConfig.cpu_affinity must be core ids >= 0, got {self.cpu_affinity!r}")
 

@@ -320,7 +320,7 @@ def _layer_streaming(args: argparse.Namespace) -> bool | None:
 
 def cluster_config_from_args(args: argparse.Namespace, detached: bool = False, quiet: bool = True):
     from bucket_manager.priority import PriorityPolicy
-    from engine.config import config_from_args
+    from engine.config import COLOCATED_CPU_STEP_TOKENS, config_from_args
     from gateway.cluster_launch import ClusterConfig
     from gateway.kv_flags import transfer_config_from_args
     from gateway.worker_split import resolve_counts
@@ -341,6 +341,8 @@ def cluster_config_from_args(args: argparse.Namespace, detached: bool = False, q
         prefill_workers=prefill_workers,
         decode_workers=decode_workers,
         colocated_workers=args.colocated_workers,
+        # A step budget given on the command line holds on every device.
+        colocated_cpu_step_tokens=COLOCATED_CPU_STEP_TOKENS if args.max_num_batched_tokens is None else None,
         kv_transport=args.kv_transport,
         transfer=transfer_config_from_args(args),
         stream_kv_layers=_layer_streaming(args),

@@ -5,7 +5,9 @@ A step of flat tokens runs the decodes and the prompt chunks together, so every 
 next token of every request decoding there. Without a guard one step may take a whole long prompt (the token
 budget is 4096): on a 2-core host a 2000-token prompt is a 2.4 s step on one core, thirty times the 81.7 ms a
 token of an online request may take. A fixed smaller budget spreads the same work over more steps and changes
-nothing for a request's average (a colocated sweep with a 512-token budget measured the same as with 4096).
+nothing for a request's average TPOT (a colocated sweep with a 512-token budget measured the same as with
+4096); what smaller steps do bring is earlier first tokens within a burst, which is why a colocated worker on a
+CPU defaults to 512 (``engine.config.COLOCATED_CPU_STEP_TOKENS``).
 
 The guard is in time: the SLO is on each request's average time per output token, ``(t_last - t_first) / (n -
 1)``, so a request that has been decoding faster than its SLO has saved time that one longer step may spend.

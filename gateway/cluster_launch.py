@@ -525,12 +525,13 @@ def launch_cluster(config: ClusterConfig) -> ClusterHandles:
         info: WorkerInfo = ray.get(done[0])
         infos[name] = info
         logger.info(
-            "[%d/%d] %s warmed in %.1fs (%d KV blocks)",
+            "[%d/%d] %s warmed in %.1fs (%d KV blocks, steps of at most %d tokens)",
             len(infos),
             len(refs),
             name,
             info.startup_s,
             info.kv_blocks_total,
+            info.max_num_batched_tokens,
         )
     infos = {name: infos[name] for name in workers}  # launch order
     handles = ClusterHandles(config, monitor, None, workers, infos, True)

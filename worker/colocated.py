@@ -46,12 +46,6 @@ class ColocatedWorker(EngineWorker):
 
         config = with_step_budget(config, get_device(config.engine.device).name)
         super().__init__(config)
-        if config.cpu_step_tokens is not None:
-            logger.info(
-                "colocated engine on %s: steps of at most %d tokens",
-                self.engine.device.name,
-                self.engine.config.scheduler.max_num_batched_tokens,
-            )
         self.engine.waiting_key = admission_order
         self._inbox: queue.SimpleQueue[tuple[str, object, threading.Event | None]] = queue.SimpleQueue()
         self._consumer: dict[str, str] = {}

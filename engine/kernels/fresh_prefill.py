@@ -8,7 +8,9 @@ runs on the vector units. Measured on a 2-core Xeon with AVX-512 and AMX (one pr
 heads, head dim 64, bf16, the K/V gathered out of 16-slot blocks first), ours / SDPA: 0.54 at 32 tokens, 0.93
 at 64, 1.27 at 128, 1.54 at 256, 2.61 at 1024, 3.34 at 2048. In fp32 ours was faster up to 1024 tokens (0.66
 at 128, 0.93 at 1024), so the engine takes this path only for 16-bit caches on an AMX CPU
-(:meth:`engine.device.cpu.CpuDevice.paged_attention`).
+(:meth:`engine.device.cpu.CpuDevice.paged_attention`). These ratios predate the rework of our kernel's prefill
+GEMMs (a 1024-token prompt's attention 1.6x faster since, in fp32 on an AVX-512 host without AMX): the bf16
+crossover on an AMX CPU is to be measured again.
 
 Everything else (decodes, later chunks, short prompts) stays on the paged kernel, one call per run of
 consecutive such sequences in the step: the kernel takes any contiguous slice of the step's metadata, since

@@ -189,6 +189,7 @@ def test_a_colocated_worker_on_a_cpu_takes_short_steps_unless_told():
     default = cluster_config_from_args(parse(["--mode", "colocated"]))
     assert default.colocated_cpu_step_tokens == COLOCATED_CPU_STEP_TOKENS == 512
     assert default.engine.scheduler.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS  # accelerators
+    assert cluster_config_from_args(parse([])).colocated_cpu_step_tokens is None  # disaggregated
     given = cluster_config_from_args(parse(["--mode", "colocated", "--max-num-batched-tokens", "2048"]))
     assert given.colocated_cpu_step_tokens is None  # a budget given holds on every device
     assert given.engine.scheduler.max_num_batched_tokens == 2048

@@ -342,7 +342,11 @@ def cluster_config_from_args(args: argparse.Namespace, detached: bool = False, q
         decode_workers=decode_workers,
         colocated_workers=args.colocated_workers,
         # A step budget given on the command line holds on every device.
-        colocated_cpu_step_tokens=COLOCATED_CPU_STEP_TOKENS if args.max_num_batched_tokens is None else None,
+        colocated_cpu_step_tokens=(
+            COLOCATED_CPU_STEP_TOKENS
+            if args.mode == "colocated" and args.max_num_batched_tokens is None
+            else None
+        ),
         kv_transport=args.kv_transport,
         transfer=transfer_config_from_args(args),
         stream_kv_layers=_layer_streaming(args),

@@ -32,7 +32,7 @@ from monitor import Monitor, MonitorConfig
 from prefill_worker.worker import PrefillWorker
 from worker.actor import EngineWorker
 from worker.colocated import ColocatedWorker
-from worker.config import WorkerConfig
+from worker.config import WorkerConfig, check_optional_count
 from worker.info import DecodePeer, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -127,11 +127,8 @@ class ClusterConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ClusterConfig.{name} must be an int >= 1, got {value!r}")
-        value = self.colocated_cpu_step_tokens
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(
-                f"ClusterConfig.colocated_cpu_step_tokens must be an int >= 1 or None, got {value!r}"
-            )
+        for name in ("colocated_cpu_step_tokens", "num_threads"):
+            check_optional_count(self, name)
         if not isinstance(self.local_outputs, bool):
             raise ValueError(f"ClusterConfig.local_outputs must be a bool, got {self.local_outputs!r}")
         if not isinstance(self.worker_max_restarts, int) or self.worker_max_restarts < 0:
@@ -173,14 +170,6 @@ class ClusterConfig:
             raise ValueError(
                 f"ClusterConfig.worker_timeout_s must be more than the {self.drain_timeout_s:g} s an idle worker's "
                 f"drain call takes (drain_timeout_s), got {self.worker_timeout_s!r}"
-            )
-        if self.num_threads is not None and (
-            not isinstance(self.num_threads, int)
-            or isinstance(self.num_threads, bool)
-            or self.num_threads < 1
-        ):
-            raise ValueError(
-                f"ClusterConfig.num_threads must be an int >= 1 or None, got {self.num_threads!r}"
             )
         if self.ray_num_cpus is not None and (
             not isinstance(self.ray_num_cpus, int) or self.ray_num_cpus < 1

@@ -63,16 +63,16 @@ class WorkerConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"WorkerConfig.{name} must be > 0, got {value!r}")
-        if self.cpu_step_tokens is not None and (
-            not isinstance(self.cpu_step_tokens, int)
-            or isinstance(self.cpu_step_tokens, bool)
-            or self.cpu_step_tokens < 1
-        ):
-            raise ValueError(
-                f"WorkerConfig.cpu_step_tokens must be an int >= 1 or None, got {self.cpu_step_tokens!r}"
-            )
+        check_optional_count(self, "cpu_step_tokens")
         if any(not isinstance(c, int) or c < 0 for c in self.cpu_affinity):
             raise ValueError(f"WorkerConfig.cpu_affinity must be core ids >= 0, got {self.cpu_affinity!r}")
+
+
+def check_optional_count(config: object, name: str) -> None:
+    """Raise, naming the config class and field, unless ``config.name`` is None or an int >= 1."""
+    value = getattr(config, name)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{type(config).__name__}.{name} must be an int >= 1 or None, got {value!r}")
 
 
 def layer_streaming(setting: bool | None, device: str, num_threads: int) -> bool:

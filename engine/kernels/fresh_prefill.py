@@ -5,12 +5,12 @@ length): a whole prompt, or the first chunk of one. Its attention is plain causa
 new K/V, which ``torch.nn.functional.scaled_dot_product_attention`` computes with torch's CPU flash kernel. On
 a CPU with AMX, that kernel multiplies bf16/fp16 tiles on the matrix unit, while ours widens K/V to fp32 and
 runs on the vector units. Measured on a 2-core Xeon with AVX-512 and AMX (one prompt, 8 query heads, 4 KV
-heads, head dim 64, bf16, the K/V gathered out of 16-slot blocks first), ours / SDPA: 0.54 at 32 tokens, 0.93
-at 64, 1.27 at 128, 1.54 at 256, 2.61 at 1024, 3.34 at 2048. In fp32 ours was faster up to 1024 tokens (0.66
-at 128, 0.93 at 1024), so the engine takes this path only for 16-bit caches on an AMX CPU
-(:meth:`engine.device.cpu.CpuDevice.paged_attention`). These ratios predate the rework of our kernel's prefill
-GEMMs (a 1024-token prompt's attention 1.6x faster since, in fp32 on an AVX-512 host without AMX): the bf16
-crossover on an AMX CPU is to be measured again.
+heads, head dim 64, bf16 in 16-slot blocks, SDPA's time including the gather of K/V out of the blocks), ours /
+SDPA on two threads: 0.36-0.41 at 32 tokens, 0.65-0.71 at 64, 0.86-0.94 at 128, 1.04-1.14 at 192, 1.03-1.20 at
+256, 1.07-1.31 at 512, 1.49-1.84 at 1024, 2.16-2.19 at 2048 (two runs, after the rework of our kernel's prefill
+GEMMs; before it 1.27 at 128 and 2.61 at 1024). On one thread SDPA wins from 96 tokens (1.12; 1.33 at 256, 1.76
+at 1024). In fp32 ours is faster at every length (0.30 at 32 tokens, 0.57 at 256, 0.77 at 2048), so the engine
+takes this path only for 16-bit caches on an AMX CPU (:meth:`engine.device.cpu.CpuDevice.paged_attention`).
 
 Everything else (decodes, later chunks, short prompts) stays on the paged kernel, one call per run of
 consecutive such sequences in the step: the kernel takes any contiguous slice of the step's metadata, since

@@ -186,6 +186,15 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def colocated_note(workers: int) -> str:
+    """What the report says of the colocated system's size beside (a) and (b)'s one prefill and one decode
+    worker."""
+    if workers == 2:
+        return "Our colocated system runs 2 workers, as (a) and (b) run one prefill and one decode worker."
+    each = "one worker with all the cores" if workers == 1 else f"{workers} workers"
+    return f"Our colocated system runs {each}; (a) and (b) run one prefill and one decode worker."
+
+
 def run(args: argparse.Namespace) -> int:
     from bench.workload_requests import draw_seed, make_requests, parse_priority_mix
     from bench.workloads import load_alpaca_texts
@@ -264,8 +273,7 @@ def run(args: argparse.Namespace) -> int:
         "batch's time and its TPOT is near zero.",
         "Each rate sends prompts of its own (seeded from --seed and the rate), from the same distribution: a "
         "server that caches prefixes (vLLM does by default) gains nothing from an earlier rate's prompts.",
-        f"Our colocated system runs {args.colocated_workers} workers, as (a) and (b) run one prefill and one "
-        "decode worker.",
+        colocated_note(args.colocated_workers),
     ]
     if args.client == "vllm":
         notes.append(

@@ -15,7 +15,7 @@ import pytest
 
 from bench.metrics import RateAtTarget, rate_at_target, ratio
 from bench.server_process import ServerProcess
-from bench.sweep import _burstiness, _offline_slo_scale, _rates, _systems, derive_slos
+from bench.sweep import _burstiness, _offline_slo_scale, _rates, _systems, colocated_note, derive_slos
 from bench.sweep_report import SystemRun, build_doc, write_sweep_report
 from bench.sweep_systems import median_request, offline_slos, system_command
 from bench.workload_requests import BenchRequest
@@ -282,3 +282,12 @@ def test_keep_from_carries_the_slos_and_the_systems_not_rerun(tmp_path: Path) ->
     assert [r.name for r in kept] == ["ours", "vllm"]
     assert kept[0].points[1]["slo_attainment"] == 0.9 and kept[0].unloaded["ttft_ms"] == 40.0
     assert slo["ttft_ms"] == pytest.approx(200.0)
+
+
+def test_the_report_names_the_colocated_system_size() -> None:
+    assert (
+        colocated_note(2)
+        == "Our colocated system runs 2 workers, as (a) and (b) run one prefill and one decode worker."
+    )
+    assert "one worker with all the cores" in colocated_note(1)
+    assert "3 workers;" in colocated_note(3)

@@ -32,7 +32,7 @@ from monitor import Monitor, MonitorConfig
 from prefill_worker.worker import PrefillWorker
 from worker.actor import EngineWorker
 from worker.colocated import ColocatedWorker
-from worker.config import WorkerConfig, check_optional_count
+from worker.config import WorkerConfig, check_count, check_optional_count
 from worker.info import DecodePeer, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -124,10 +124,8 @@ class ClusterConfig:
             "max_pending",
             "max_batches_per_prefill_worker",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ClusterConfig.{name} must be an int >= 1, got {value!r}")
-        for name in ("colocated_cpu_step_tokens", "num_threads"):
+            check_count(self, name)
+        for name in ("colocated_cpu_step_tokens", "num_threads", "ray_num_cpus"):
             check_optional_count(self, name)
         if not isinstance(self.local_outputs, bool):
             raise ValueError(f"ClusterConfig.local_outputs must be a bool, got {self.local_outputs!r}")
@@ -171,10 +169,6 @@ class ClusterConfig:
                 f"ClusterConfig.worker_timeout_s must be more than the {self.drain_timeout_s:g} s an idle worker's "
                 f"drain call takes (drain_timeout_s), got {self.worker_timeout_s!r}"
             )
-        if self.ray_num_cpus is not None and (
-            not isinstance(self.ray_num_cpus, int) or self.ray_num_cpus < 1
-        ):
-            raise ValueError(f"ClusterConfig.ray_num_cpus must be an int >= 1, got {self.ray_num_cpus!r}")
         if self.kv_transport not in CLUSTER_TRANSPORTS:
             raise ValueError(
                 f"ClusterConfig.kv_transport must be one of {CLUSTER_TRANSPORTS} (the transports that work "

@@ -52,9 +52,7 @@ class WorkerConfig:
         if not isinstance(self.engine, EngineConfig):
             raise ValueError(f"WorkerConfig.engine must be an EngineConfig, got {type(self.engine).__name__}")
         for name in ("num_threads", "num_senders"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"WorkerConfig.{name} must be an int >= 1, got {value!r}")
+            check_count(self, name)
         if self.stream_kv_layers is not None and not isinstance(self.stream_kv_layers, bool):
             raise ValueError(
                 f"WorkerConfig.stream_kv_layers must be a bool or None (auto), got {self.stream_kv_layers!r}"
@@ -68,10 +66,21 @@ class WorkerConfig:
             raise ValueError(f"WorkerConfig.cpu_affinity must be core ids >= 0, got {self.cpu_affinity!r}")
 
 
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_count(config: object, name: str) -> None:
+    """Raise, naming the config class and field, unless ``config.name`` is an int >= 1 (a bool is not)."""
+    value = getattr(config, name)
+    if not _is_count(value):
+        raise ValueError(f"{type(config).__name__}.{name} must be an int >= 1, got {value!r}")
+
+
 def check_optional_count(config: object, name: str) -> None:
     """Raise, naming the config class and field, unless ``config.name`` is None or an int >= 1."""
     value = getattr(config, name)
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+    if value is not None and not _is_count(value):
         raise ValueError(f"{type(config).__name__}.{name} must be an int >= 1 or None, got {value!r}")
 
 

@@ -86,10 +86,14 @@ class FlatRunner:
         compile_forward: bool = False,
         graph_batches: Sequence[int] = (),
         graph_widths: Sequence[int] = (),
+        stack: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """``graph_batches`` x ``graph_widths``: the padded (decode batch, block-table width) shapes whose decode
-        steps are captured as graphs at warm-up, where the device captures flat decode steps (CUDA)."""
+        steps are captured as graphs at warm-up, where the device captures flat decode steps (CUDA). ``stack``:
+        an eager forward over the decoder layers that stands in for the model's own (``engine.decoder_stack``);
+        unused by a compiled forward."""
         self.model = model
+        self._stack = None if compile_forward else stack
         self.kv = kv_cache
         self.device = device
         self.attend = attend
@@ -187,6 +191,8 @@ class FlatRunner:
     # ------------------------------------------------------------------ execution
     def _eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids/positions [T] -> hidden [T, hidden]
+        if self._stack is not None:
+            return self._stack(input_ids, positions)
         out = self.model.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
         return out.last_hidden_state[0]
 

@@ -58,23 +58,38 @@ def _fused_forward(
             **kwargs,
         )
     shape = hidden_states.shape[:-1]
-    qkv = self.qkv_linear(hidden_states.reshape(-1, hidden_states.shape[-1]))  # [T, (H + 2 KVH) D]
     cos, sin = position_embeddings
     d = self.head_dim
-    ctx = current_context()
-    layer = self.layer_idx
+    rows = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, hidden]
+    out = fused_attention_rows(self, rows, cos.view(-1, d), sin.view(-1, d), current_context())  # [T, hidden]
+    return out.view(*shape, -1), None  # [1, T, hidden]
+
+
+def fused_attention_rows(
+    module: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+) -> torch.Tensor:
+    """A fused attention layer on token rows: x [T, hidden], cos/sin [T, D] -> [T, hidden]. The linears are
+    called by their ``forward`` (what ``Module.__call__`` would run, less its hook handling)."""
+    qkv = module.qkv_linear.forward(x)  # [T, (H + 2 KVH) D]
+    layer = module.layer_idx
     q = torch.ops.bucketserve_cpu.rope_write_kv(
         qkv,
-        cos.view(-1, d),
-        sin.view(-1, d),
+        cos,
+        sin,
         ctx.kv_data[layer, 0],  # [NB + 1, BS, KVH, D]: the rotated keys go to their slots
         ctx.kv_data[layer, 1],  # the values
         ctx.slot_mapping,
-        self.fused_heads[0],
-        self.fused_heads[1],
+        module.fused_heads[0],
+        module.fused_heads[1],
     )  # [T, H, D]
-    out = attend_written_layer(ctx, layer, q, self.scaling)  # [T, H, D]
-    return self.o_proj(out.view(*shape, -1)), None  # [1, T, hidden]
+    out = attend_written_layer(ctx, layer, q, module.scaling)  # [T, H, D]
+    return module.o_proj.forward(out.view(out.shape[0], -1))  # [T, hidden]
+
+
+def is_fused(module: torch.nn.Module) -> bool:
+    """Whether ``fuse_attention_layers`` swapped this attention layer's forward."""
+    forward = module.__dict__.get("forward")
+    return getattr(forward, "__func__", None) is _fused_forward
 
 
 def _candidate(module: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -111,13 +126,17 @@ def _fused_linear(module: torch.nn.Module) -> torch.nn.Linear:
     return linear
 
 
-def _probe_context(module: torch.nn.Module, tokens: int, attend: AttendFn) -> ForwardContext:
-    """One fresh prompt of ``tokens`` tokens on a scratch cache of its own (every layer index maps to it)."""
+def probe_context(
+    module: torch.nn.Module, tokens: int, attend: AttendFn, layers: int | None = None
+) -> ForwardContext:
+    """One fresh prompt of ``tokens`` tokens on a scratch cache of its own, shaped for attention layer ``module``:
+    every layer index (up to ``layers``, else the module's own) maps to the same cache. Each layer writes the
+    prompt's K/V before it attends over them, so layers sharing the cache never read each other's."""
     k = module.k_proj
     kvh, d = k.out_features // module.head_dim, module.head_dim
     blocks = -(-tokens // _PROBE_BLOCK)
     cache = torch.zeros(1, 2, blocks + 1, _PROBE_BLOCK, kvh, d, dtype=k.weight.dtype, device=k.weight.device)
-    kv_data = cache.expand(module.layer_idx + 1, *cache.shape[1:])  # [L, 2, blocks + 1, BS, KVH, D]
+    kv_data = cache.expand(layers or module.layer_idx + 1, *cache.shape[1:])  # [L, 2, blocks + 1, BS, KVH, D]
     return ForwardContext(
         kv_data=kv_data,
         slot_mapping=torch.arange(tokens) + _PROBE_BLOCK,  # block 0 stays the null block
@@ -140,7 +159,7 @@ def _agrees(module: torch.nn.Module, attend: AttendFn, gen: torch.Generator) -> 
         rope = (angles.cos().to(dtype), angles.sin().to(dtype))
         results = []
         for forward in (type(module).forward, _fused_forward):
-            ctx = _probe_context(module, tokens, attend)
+            ctx = probe_context(module, tokens, attend)
             try:
                 with forward_context(ctx):
                     out, _ = forward(module, hidden_states=x, position_embeddings=rope, attention_mask=None)

@@ -35,7 +35,7 @@ def _fused_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     h = torch.ops.bucketserve_cpu.gated_linear(
         flat, self.gate_up_panels, gate.out_features, gate.packed_index, up.packed_index, SKINNY_MAX_M
     )
-    return self.down_proj(h).view(*x.shape[:-1], -1)
+    return self.down_proj.forward(h).view(*x.shape[:-1], -1)  # the linear's forward: no hooks to run
 
 
 def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

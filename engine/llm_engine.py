@@ -19,6 +19,7 @@ import torch
 from bucket_manager.shape_buckets import ShapeBucketConfig, ShapeBuckets
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig, resolve_engine_config
+from engine.decoder_stack import decoder_stack
 from engine.device import get_device
 from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION
 from engine.flat_runner import FlatRunner
@@ -81,9 +82,11 @@ class LLMEngine:
         if cfg.shape_policy == "flat":
             self.loaded.model.set_attn_implementation(FLAT_ATTN_IMPLEMENTATION)
             attend = self.device.paged_attention(getattr(torch, self.kv_spec.dtype))
+            stack = None
             if self.device.name == "cpu" and not cfg.compile:
                 # A compiled forward fuses this glue itself, and the fused layer reads the forward context.
                 fuse_attention_layers(self.loaded.model, attend, getattr(torch, self.kv_spec.dtype))
+                stack = decoder_stack(self.loaded.model, attend)
             self.runner = FlatRunner(
                 self.loaded.model,
                 self.kv_cache,
@@ -94,6 +97,7 @@ class LLMEngine:
                 # Decode graphs (where the device captures them) up to 256 sequences and the longest context.
                 graph_batches=graph_ladder(min(sched.max_num_seqs, 256)),
                 graph_widths=self.device.decode_graph_widths(min_blocks),
+                stack=stack,
             )
             self._step = self._step_flat
         else:

@@ -1,4 +1,4 @@
-"""Shared helpers for engine tests: the test device, a small engine config and random prompts (the Hugging
+"""Shared helpers for engine tests: the test device, a small engine config, random prompts and greedy outputs (the Hugging
 Face reference is the ``hf_reference`` fixture in conftest.py)."""
 
 from __future__ import annotations
@@ -33,3 +33,15 @@ def small_config(**kw) -> EngineConfig:
 def random_prompts(lengths: list[int], seed: int = 0, vocab: tuple[int, int] = (10, 4000)) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(vocab[0], vocab[1], (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy_tokens(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy output tokens, all run together on ``engine``."""
+    from engine.request import Request, SamplingParams
+
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_token_ids for r in reqs]

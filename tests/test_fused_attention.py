@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from engine_helpers import random_prompts, small_config
+from engine_helpers import greedy_tokens, random_prompts, small_config
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 
 import engine.llm_engine as llm_engine
@@ -20,7 +20,6 @@ from engine.kernels import build, cpu_paged_attention
 from engine.linear_prepack import prepack_linears
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model
-from engine.request import Request, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -144,15 +143,6 @@ def test_a_layer_that_computes_something_else_keeps_its_own_forward(rope, odd_cl
     assert all(_is_fused(a) for a in layers if a is not odd)
 
 
-def _greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
-    for r in reqs:
-        engine.add_request(r)
-    while engine.has_unfinished():
-        engine.step()
-    return [r.output_token_ids for r in reqs]
-
-
 def test_in_bf16_the_fused_engine_generates_what_the_unfused_one_does(rope, monkeypatch) -> None:
     # Prompts of up to 64 tokens: the QKV linear then runs on the skinny kernel, whose columns sum alone, so the
     # fused projection is the three separate ones bit for bit and so are the tokens.
@@ -162,7 +152,7 @@ def test_in_bf16_the_fused_engine_generates_what_the_unfused_one_does(rope, monk
     monkeypatch.setattr(llm_engine, "fuse_attention_layers", lambda *args: 0)
     plain = LLMEngine(small_config(shape_policy="flat", dtype="bfloat16"))
     assert not any(_is_fused(a) for a in _attention_layers(plain))
-    assert _greedy(fused, prompts, 12) == _greedy(plain, prompts, 12)
+    assert greedy_tokens(fused, prompts, 12) == greedy_tokens(plain, prompts, 12)
 
 
 def test_the_paired_benchmark_reports_each_batch_with_identical_tokens(rope, tmp_path, capsys) -> None:

@@ -1,0 +1,114 @@
+"""The direct walk through the decoder layers (engine/decoder_stack.py): the flat eager CPU engine runs it, other
+engines do not; it computes what the model's own forward computes, bit for bit (fp32 greedy tokens against Hugging
+Face in test_engine_greedy.py run through it; here its hidden states against the model's, and bf16 tokens
+against the engine without it); it reports every layer's write to a streaming hook; a model whose layers compute
+anything else, or whose attention kept its own forward, keeps its forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import greedy_tokens, random_prompts, small_config
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
+
+import engine.llm_engine as llm_engine
+from engine.decoder_stack import decoder_stack
+from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION
+from engine.forward_context import forward_context
+from engine.fused_attention import fuse_attention_layers
+from engine.kernels import build, cpu_paged_attention
+from engine.linear_prepack import prepack_linears
+from engine.llm_engine import LLMEngine
+from engine.model_loader import load_model
+from engine.request import Request, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    assert build.load_rotary() is not None, "the rotary kernel did not build"
+    assert build.load() is not None, "the paged attention kernel did not build"
+
+
+def _fused_model(odd_layer: type | None = None, odd_attention: type | None = None) -> torch.nn.Module:
+    """The tiny model as the flat eager CPU engine prepares it, with layer 1 (or its attention) of another class."""
+    model = load_model("tiny", torch.device("cpu"), "float32").model
+    model.set_attn_implementation(FLAT_ATTN_IMPLEMENTATION)
+    prepack_linears(model)
+    if odd_layer is not None:
+        model.model.layers[1].__class__ = odd_layer
+    if odd_attention is not None:
+        model.model.layers[1].self_attn.__class__ = odd_attention
+    fuse_attention_layers(model, cpu_paged_attention(), torch.float32)
+    return model
+
+
+def test_the_flat_eager_engine_runs_the_stack(kernels) -> None:
+    assert LLMEngine(small_config(shape_policy="flat")).runner._stack is not None
+
+
+@pytest.mark.parametrize("engine_kw", [dict(shape_policy="buckets"), dict(shape_policy="flat", compile=True)])
+def test_other_engines_run_the_models_forward(kernels, engine_kw) -> None:
+    runner = LLMEngine(small_config(**engine_kw)).runner
+    assert getattr(runner, "_stack", None) is None
+
+
+def test_a_mixed_step_through_the_stack_equals_the_models_forward_and_reports_every_layer(kernels) -> None:
+    engine = LLMEngine(small_config(shape_policy="flat"))
+    runner = engine.runner
+    # Two prompts prefilled, then a step of one decode and a fresh 30-token prompt.
+    first = [Request(f"p{i}", p, SamplingParams(max_tokens=8)) for i, p in enumerate(random_prompts([7, 19]))]
+    engine.allocate_prompts(first)
+    runner.prefill(first)
+    for r in first:
+        r.num_computed_tokens = r.num_tokens
+        r.output_token_ids.append(5)
+    fresh = Request("f", random_prompts([30], seed=1)[0], SamplingParams(max_tokens=4))
+    engine.allocate_prompts([fresh])
+    batch = runner.prepare([(first[0], 1), (fresh, 30)])
+    written: list[int] = []
+    batch.ctx.on_layer_written = written.append
+    with torch.inference_mode(), forward_context(batch.ctx):
+        got = runner._stack(batch.input_ids, batch.positions)
+        want = runner.model.model(
+            input_ids=batch.input_ids[None], position_ids=batch.positions[None], use_cache=False
+        ).last_hidden_state[0]
+    assert got.shape == (31, runner.model.config.hidden_size)
+    assert torch.equal(got, want)
+    layers = runner.model.config.num_hidden_layers
+    assert written == list(range(layers)) * 2  # the stack's pass, then the model's
+
+
+def test_in_bf16_the_engine_generates_what_it_does_without_the_stack(kernels, monkeypatch) -> None:
+    prompts = random_prompts([1, 5, 17, 40, 90], seed=4)
+    fast = LLMEngine(small_config(shape_policy="flat", dtype="bfloat16"))
+    assert fast.runner._stack is not None
+    monkeypatch.setattr(llm_engine, "decoder_stack", lambda *args: None)
+    plain = LLMEngine(small_config(shape_policy="flat", dtype="bfloat16"))
+    assert plain.runner._stack is None
+    assert greedy_tokens(fast, prompts, 12) == greedy_tokens(plain, prompts, 12)
+
+
+class _ScaledLayer(LlamaDecoderLayer):
+    """A decoder layer with the same parts that computes something else with them."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return 0.5 * super().forward(hidden_states, *args, **kwargs)
+
+
+class _DoubledAttention(LlamaAttention):
+    """An attention the fuser leaves alone (its output is not Llama's)."""
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return 2 * out, weights
+
+
+def test_the_fused_tiny_model_gets_a_stack(kernels) -> None:
+    assert decoder_stack(_fused_model(), cpu_paged_attention()) is not None
+
+
+@pytest.mark.parametrize(
+    "odd", [dict(odd_layer=_ScaledLayer), dict(odd_attention=_DoubledAttention)], ids=["layer", "attention"]
+)
+def test_a_model_that_computes_something_else_keeps_its_forward(kernels, odd) -> None:
+    assert decoder_stack(_fused_model(**odd), cpu_paged_attention()) is None

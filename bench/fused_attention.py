@@ -1,8 +1,10 @@
 """``bucketserve bench fused-attention``: decode steps with the attention layers fused against the same engine
-without them, paired step by step.
+without them, paired step by step; with ``--part stack``, the direct walk through the decoder layers
+(``engine/decoder_stack.py``) against the model's own forward over the same fused layers.
 
-Two engines in one process, one with transformers' attention forward (the fusion skipped at load), one with
-``engine/fused_attention.py``'s, each holding the same batch of sequences at the same context; they step in turn
+Two engines in one process, one with the part skipped at load (``attention``: transformers' attention forward,
+and so no decoder stack either, which needs the fused layers; ``stack``: the fused layers called through the
+model's forward), one with it, each holding the same batch of sequences at the same context; they step in turn
 (which one goes first alternates), so both see the same moments of a shared host's noise, and each pair of steps
 gives one ratio. Reported per batch size: both engines' median step times and the median ratio fused / unfused
 with its quartiles. fp32 outputs must be identical token for token (checked).
@@ -22,6 +24,13 @@ def register(sub) -> None:
         "fused-attention", help="decode steps with fused attention layers against without, paired"
     )
     add_engine_args(p)
+    p.add_argument(
+        "--part",
+        choices=sorted(PARTS),
+        default="attention",
+        help="what the baseline engine skips: the fused attention layers (and so the decoder stack), or only "
+        "the decoder stack",
+    )
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")
     p.add_argument("--context", type=int, default=512, help="context length at the first timed step")
     p.add_argument("--steps", type=int, default=100, help="timed step pairs per batch size")
@@ -30,15 +39,20 @@ def register(sub) -> None:
     p.set_defaults(func=run, model="small")
 
 
-def _engines(cfg):
+# --part: the engine-loading step the baseline skips, and what it returns when skipped.
+PARTS = {"attention": ("fuse_attention_layers", 0), "stack": ("decoder_stack", None)}
+
+
+def _engines(cfg, part: str = "attention"):
     import engine.llm_engine as llm_engine
 
-    fuse = llm_engine.fuse_attention_layers
-    llm_engine.fuse_attention_layers = lambda *args: 0
+    name, skipped = PARTS[part]
+    step = getattr(llm_engine, name)
+    setattr(llm_engine, name, lambda *args: skipped)
     try:
         plain = llm_engine.LLMEngine(cfg)
     finally:
-        llm_engine.fuse_attention_layers = fuse
+        setattr(llm_engine, name, step)
     return plain, llm_engine.LLMEngine(cfg)
 
 
@@ -80,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     need = max(batches) * (-(-(args.context + args.steps + 16) // block) + 1) + 16
     if cfg.cache.num_blocks is None or cfg.cache.num_blocks < need:
         cfg = replace(cfg, cache=replace(cfg.cache, num_blocks=need, block_size=block))
-    plain, fused = _engines(cfg)
+    plain, fused = _engines(cfg, args.part)
     if plain.config.shape_policy != "flat" or plain.device.name != "cpu" or plain.config.compile:
         raise SystemExit("bench fused-attention: the fusion applies to eager flat steps on the CPU only")
     rows = [paired_steps(plain, fused, b, args.context, args.steps) for b in batches]
@@ -98,10 +112,18 @@ def run(args: argparse.Namespace) -> int:
         )
         for r in rows
     ]
-    result = {"model": args.model, "dtype": dtype, "context": args.context, "steps": args.steps, "rows": rows}
+    result = {
+        "model": args.model,
+        "dtype": dtype,
+        "part": args.part,
+        "context": args.context,
+        "steps": args.steps,
+        "rows": rows,
+    }
+    title = {"attention": "Fused attention layers", "stack": "Decoder stack"}[args.part]
     publish(
         args.out,
-        "Fused attention layers: paired decode steps",
+        f"{title}: paired decode steps (fused: with it; unfused: without)",
         result,
         table,
         f"{args.model}, {dtype}, context {args.context}, {args.steps} step pairs per batch",

@@ -112,3 +112,28 @@ def test_the_fused_tiny_model_gets_a_stack(kernels) -> None:
 )
 def test_a_model_that_computes_something_else_keeps_its_forward(kernels, odd) -> None:
     assert decoder_stack(_fused_model(**odd), cpu_paged_attention()) is None
+
+
+def test_the_paired_benchmark_times_the_stack_against_the_models_forward(kernels, tmp_path, capsys) -> None:
+    import json
+
+    from gateway.cli import main
+
+    out = tmp_path / "stack"
+    args = [
+        "bench",
+        "fused-attention",
+        "--part",
+        "stack",
+        "--model",
+        "tiny",
+        "--skip-warmup",
+        "--batches",
+        "2",
+    ]
+    assert main(args + ["--context", "20", "--steps", "4", "--json", "--out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["part"] == "stack"
+    [row] = result["rows"]
+    assert row["batch"] == 2 and row["identical_tokens"] and row["fused_ms"] > 0 and row["unfused_ms"] > 0
+    assert "Decoder stack" in (tmp_path / "stack.md").read_text()

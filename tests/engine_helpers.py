@@ -1,5 +1,5 @@
-"""Shared helpers for engine tests: the test device, a small engine config, random prompts and greedy outputs (the Hugging
-Face reference is the ``hf_reference`` fixture in conftest.py)."""
+"""Shared helpers for engine tests: the test device, a small engine config, random prompts and greedy outputs
+(the Hugging Face reference is the ``hf_reference`` fixture in conftest.py)."""
 
 from __future__ import annotations
 

@@ -19,13 +19,21 @@ from engine.forward_context import ForwardContext, current_context
 FLAT_ATTN_IMPLEMENTATION = "bucketserve_flat"
 
 
-def attend_written_layer(ctx: ForwardContext, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+def attend_written_layer(
+    ctx: ForwardContext,
+    layer: int,
+    query: torch.Tensor,
+    scale: float,
+    caches: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Once ``layer``'s new K/V are in the cache: report it (``on_layer_written``), then attend over the paged
-    cache. query [T, H, D] -> out [T, H, D]."""
+    cache. query [T, H, D] -> out [T, H, D]. ``caches``: the layer's K and V caches where the caller already
+    holds them (else taken from ``ctx.kv_data``)."""
     if ctx.on_layer_written is not None:
         ctx.on_layer_written(layer)
     out = torch.empty_like(query)  # [T, H, D]
-    k_cache, v_cache = ctx.kv_data[layer, 0], ctx.kv_data[layer, 1]  # [NB + 1, BS, KVH, D] each
+    # [NB + 1, BS, KVH, D] each
+    k_cache, v_cache = caches if caches is not None else (ctx.kv_data[layer, 0], ctx.kv_data[layer, 1])
     ctx.attend(out, query, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.query_start_loc, scale)
     return out
 

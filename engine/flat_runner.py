@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.decoder_stack import StackForward
 from engine.device import Device
 from engine.forward_context import AttendFn, ForwardContext, forward_context
 from engine.kv_cache import KVCache
@@ -86,7 +87,7 @@ class FlatRunner:
         compile_forward: bool = False,
         graph_batches: Sequence[int] = (),
         graph_widths: Sequence[int] = (),
-        stack: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        stack: StackForward | None = None,
     ) -> None:
         """``graph_batches`` x ``graph_widths``: the padded (decode batch, block-table width) shapes whose decode
         steps are captured as graphs at warm-up, where the device captures flat decode steps (CUDA). ``stack``:

@@ -72,17 +72,12 @@ def fused_attention_rows(
     called by their ``forward`` (what ``Module.__call__`` would run, less its hook handling)."""
     qkv = module.qkv_linear.forward(x)  # [T, (H + 2 KVH) D]
     layer = module.layer_idx
+    # [NB + 1, BS, KVH, D] each: the rotated keys and the values go to their slots, then attention reads them
+    caches = (ctx.kv_data[layer, 0], ctx.kv_data[layer, 1])
     q = torch.ops.bucketserve_cpu.rope_write_kv(
-        qkv,
-        cos,
-        sin,
-        ctx.kv_data[layer, 0],  # [NB + 1, BS, KVH, D]: the rotated keys go to their slots
-        ctx.kv_data[layer, 1],  # the values
-        ctx.slot_mapping,
-        module.fused_heads[0],
-        module.fused_heads[1],
+        qkv, cos, sin, *caches, ctx.slot_mapping, module.fused_heads[0], module.fused_heads[1]
     )  # [T, H, D]
-    out = attend_written_layer(ctx, layer, q, module.scaling)  # [T, H, D]
+    out = attend_written_layer(ctx, layer, q, module.scaling, caches)  # [T, H, D]
     return module.o_proj.forward(out.view(out.shape[0], -1))  # [T, hidden]
 
 

@@ -15,7 +15,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotar
 
 import engine.llm_engine as llm_engine
 from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION
-from engine.fused_attention import _fused_forward, fuse_attention_layers
+from engine.fused_attention import fuse_attention_layers, is_fused
 from engine.kernels import build, cpu_paged_attention
 from engine.linear_prepack import prepack_linears
 from engine.llm_engine import LLMEngine
@@ -87,14 +87,10 @@ def _attention_layers(engine: LLMEngine) -> list[torch.nn.Module]:
     return [m for m in engine.loaded.model.modules() if isinstance(m, LlamaAttention)]
 
 
-def _is_fused(layer: torch.nn.Module) -> bool:
-    return getattr(layer.forward, "__func__", None) is _fused_forward
-
-
 def test_the_flat_eager_engine_fuses_every_layer_and_shares_the_weights(rope) -> None:
     engine = LLMEngine(small_config(shape_policy="flat"))
     layers = _attention_layers(engine)
-    assert layers and all(_is_fused(a) for a in layers)
+    assert layers and all(is_fused(a) for a in layers)
     fresh = load_model("tiny", torch.device("cpu"), "float32").model
     # The model's parameters are the checkpoint's, under the same names, with no second copy of Q, K and V.
     assert engine.loaded.model.state_dict().keys() == fresh.state_dict().keys()
@@ -109,7 +105,7 @@ def test_the_flat_eager_engine_fuses_every_layer_and_shares_the_weights(rope) ->
 @pytest.mark.parametrize("engine_kw", [dict(shape_policy="buckets"), dict(shape_policy="flat", compile=True)])
 def test_other_engines_keep_transformers_attention(rope, engine_kw) -> None:
     engine = LLMEngine(small_config(**engine_kw))
-    assert not any(_is_fused(a) for a in _attention_layers(engine))
+    assert not any(is_fused(a) for a in _attention_layers(engine))
 
 
 class _DoubledAttention(LlamaAttention):
@@ -139,8 +135,8 @@ def test_a_layer_that_computes_something_else_keeps_its_own_forward(rope, odd_cl
     odd = layers[1]
     odd.__class__ = odd_class
     assert fuse_attention_layers(model, cpu_paged_attention(), torch.float32) == len(layers) - 1
-    assert not _is_fused(odd) and odd.q_proj.packed_weight is not None
-    assert all(_is_fused(a) for a in layers if a is not odd)
+    assert not is_fused(odd) and odd.q_proj.packed_weight is not None
+    assert all(is_fused(a) for a in layers if a is not odd)
 
 
 def test_in_bf16_the_fused_engine_generates_what_the_unfused_one_does(rope, monkeypatch) -> None:
@@ -148,10 +144,10 @@ def test_in_bf16_the_fused_engine_generates_what_the_unfused_one_does(rope, monk
     # fused projection is the three separate ones bit for bit and so are the tokens.
     prompts = random_prompts([1, 5, 17, 40, 64], seed=3)
     fused = LLMEngine(small_config(shape_policy="flat", dtype="bfloat16"))
-    assert all(_is_fused(a) for a in _attention_layers(fused))
+    assert all(is_fused(a) for a in _attention_layers(fused))
     monkeypatch.setattr(llm_engine, "fuse_attention_layers", lambda *args: 0)
     plain = LLMEngine(small_config(shape_policy="flat", dtype="bfloat16"))
-    assert not any(_is_fused(a) for a in _attention_layers(plain))
+    assert not any(is_fused(a) for a in _attention_layers(plain))
     assert greedy_tokens(fused, prompts, 12) == greedy_tokens(plain, prompts, 12)
 
 

@@ -21,6 +21,7 @@ from types import MethodType
 
 import torch
 
+from engine import huge_pages
 from engine.linear_prepack import SKINNY_MAX_M
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ def _fused_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     # two [NP, K, 16] panel sets -> [2 * NP, K, 16]: gate 0, up 0, gate 1, up 1, ...
-    return torch.stack((gate, up), dim=1).flatten(0, 1).contiguous()
+    return huge_pages.contiguous(torch.stack((gate, up), dim=1).flatten(0, 1))
 
 
 # How far the fused MLP's probe output may lie from the module's. fp32: rounding. bf16: transformers rounds gate

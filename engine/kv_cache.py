@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import mmap
 import warnings
 import weakref
 from dataclasses import asdict, dataclass
@@ -23,6 +22,7 @@ from multiprocessing import shared_memory
 
 import torch
 
+from engine import huge_pages
 from engine.shm_segment import create_segment
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -127,12 +127,12 @@ class KVCache:
 
     @staticmethod
     def _mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Zeros in a private anonymous mapping: the kernel guarantees they read as zero and backs each page only
-        when it is first written. ``torch.zeros`` writes every byte up front: about 1 GiB for ``small``'s default
-        cache, which cost each worker 3.5-4.3 s of a start-up on two cores (page faults, with the other
-        processes starting beside it), for blocks most of which a short run never touches."""
-        buf = mmap.mmap(-1, _nbytes(shape, dtype), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        return _tensor_over(buf, shape, dtype)  # the tensor holds the mapping: it lives as long as the tensor
+        """Zeros in a private anonymous mapping (``engine.huge_pages``): the kernel guarantees they read as zero and
+        backs each page only when it is first written, on 2 MiB pages where it can. ``torch.zeros`` writes every
+        byte up front: about 1 GiB for ``small``'s default cache, which cost each worker 3.5-4.3 s of a start-up on
+        two cores (page faults, with the other processes starting beside it), for blocks most of which a short run
+        never touches."""
+        return huge_pages.zeros(shape, dtype)  # the tensor holds the mapping: it lives as long as the tensor
 
     def _shared_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         shm = create_segment(_nbytes(shape, dtype))  # a new segment reads as zeros

@@ -29,6 +29,8 @@ from types import MethodType
 
 import torch
 
+from engine import huge_pages
+
 logger = logging.getLogger(__name__)
 
 # The batch size oneDNN tunes the packed layout for; any M runs, this one covers decode batches to prefill
@@ -117,7 +119,8 @@ def panel_layout(w: torch.Tensor) -> torch.Tensor:
     panels = -(-n // SKINNY_PANEL)
     padded = w.new_zeros(panels * SKINNY_PANEL, k)
     padded[:n] = w
-    return padded.view(panels, SKINNY_PANEL, k).transpose(1, 2).contiguous()  # [NP, K, 16]
+    # Decode steps stream these panels: on huge pages where the kernel has them (engine.huge_pages).
+    return huge_pages.contiguous(padded.view(panels, SKINNY_PANEL, k).transpose(1, 2))  # [NP, K, 16]
 
 
 def _kernels():

@@ -15,13 +15,15 @@ from gateway.cluster_launch import ClusterConfig
 NUM_BLOCKS = 48
 
 
-def cluster_config(mode: str, name: str, shape_policy: str = "auto", **kw) -> ClusterConfig:
+def cluster_config(
+    mode: str, name: str, shape_policy: str = "auto", num_blocks: int = NUM_BLOCKS, **kw
+) -> ClusterConfig:
     engine = EngineConfig(
         model="tiny",
         device="cpu",
         skip_warmup=True,
         shape_policy=shape_policy,
-        cache=CacheConfig(block_size=16, num_blocks=NUM_BLOCKS),
+        cache=CacheConfig(block_size=16, num_blocks=num_blocks),
         scheduler=SchedulerConfig(
             max_model_len=512, max_num_seqs=16, max_num_prefill_seqs=4, max_num_batched_tokens=1024
         ),

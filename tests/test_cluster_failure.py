@@ -8,7 +8,7 @@ import time
 
 import pytest
 import ray
-from cluster_helpers import NUM_BLOCKS, cluster_config, collect, gather_all, make_request
+from cluster_helpers import cluster_config, collect, gather_all, make_request
 
 from gateway.cluster_backend import RayClusterBackend
 
@@ -16,17 +16,22 @@ pytestmark = pytest.mark.slow
 
 # How long after the kill every request must have ended (the gateway notices at its next drain call).
 PROMPT_END_S = 5.0
+# The mid-decode test's requests: 30 + 450 tokens, 30 blocks each, two per worker. Long enough that all four are
+# still decoding together after the last one's hand-off even on a fast host (with 150 tokens out, a 2-core EPYC
+# finished the first before the fourth arrived, and the wait for all four running timed out).
+DECODE_TOKENS = 450
+DIE_BLOCKS = 96
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_worker_killed_mid_decode_ends_its_requests_with_an_error(ray_session, mode, hf_reference):
     two = {"decode_workers": 2} if mode == "disaggregated" else {"colocated_workers": 2}
-    backend = RayClusterBackend(cluster_config(mode, f"die-{mode}", **two))
+    backend = RayClusterBackend(cluster_config(mode, f"die-{mode}", num_blocks=DIE_BLOCKS, **two))
     role = "decode" if mode == "disaggregated" else "colocated"
     victim = backend.config.actor_name(role, 0)
     try:
-        # 4 x 12 blocks: spread over both workers (the emptier one is chosen), all running at once.
-        reqs = [make_request(f"{mode}-die{i}", 30, 150, seed=5) for i in range(4)]
+        # 4 x 30 blocks: spread over both workers (the emptier one is chosen), all running at once.
+        reqs = [make_request(f"{mode}-die{i}", 30, DECODE_TOKENS, seed=5) for i in range(4)]
 
         async def run():
             tasks = [asyncio.ensure_future(collect(backend, r)) for r in reqs]
@@ -58,7 +63,7 @@ def test_worker_killed_mid_decode_ends_its_requests_with_an_error(ray_session, m
         for g in finished:
             req = by_id[g.request_id]
             assert g.tokens == hf_reference("tiny", "cpu").greedy(
-                req.prompt_token_ids, 150, ignore_eos=True
+                req.prompt_token_ids, DECODE_TOKENS, ignore_eos=True
             ), g.request_id
 
         async def after():
@@ -73,7 +78,7 @@ def test_worker_killed_mid_decode_ends_its_requests_with_an_error(ray_session, m
         assert health["ready"] is False
         assert {w["id"] for w in health["workers"] if not w["up"]} == {victim}
         for name, s in stats.items():
-            assert s["kv_blocks_used"] == 0 and s["kv_blocks_free"] == NUM_BLOCKS, (name, s)
+            assert s["kv_blocks_used"] == 0 and s["kv_blocks_free"] == DIE_BLOCKS, (name, s)
             assert s["integrity_error"] is None
         if backend.handles.controller is not None:
             state = ray.get(backend.handles.controller.state.remote())

@@ -19,6 +19,7 @@ the same tensors, the same results.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import warnings
@@ -30,16 +31,26 @@ import torch
 HUGE_PAGE_BYTES = 2 * 2**20
 
 
-def _advise(buf: mmap.mmap) -> bool:
-    """Ask for huge pages on ``buf``; whether the kernel took the advice (False where it has no THP)."""
+def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+
+
+def tensor_over(buf, shape: tuple[int, ...], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+    """A tensor of ``shape`` over a writable buffer, starting ``offset`` bytes in (the tensor keeps the buffer
+    alive)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # frombuffer warns about non-writable buffers only
+        flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes(shape, dtype), offset=offset)
+    return flat.view(dtype).view(shape)
+
+
+def _advise(buf: mmap.mmap) -> None:
+    """Ask for huge pages on ``buf`` (nothing happens where the kernel has no THP)."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None:
-        return False
-    try:
+        return
+    with contextlib.suppress(OSError):  # EINVAL: a kernel built without transparent huge pages
         buf.madvise(advice)
-    except OSError:  # EINVAL: a kernel built without transparent huge pages
-        return False
-    return True
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -47,17 +58,15 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     boundary (a mapping starts on any 4 KiB one: the 2 MiB around an unaligned start could never be a huge page).
     The kernel guarantees the pages read as zero and backs each one only when it is first written; the tensor holds
     the mapping."""
-    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-    large = nbytes >= HUGE_PAGE_BYTES
+    size = nbytes(shape, dtype)
+    large = size >= HUGE_PAGE_BYTES
     slack = HUGE_PAGE_BYTES if large else 0
-    buf = mmap.mmap(-1, max(nbytes + slack, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if large:
-        _advise(buf)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # frombuffer warns about non-writable buffers only
-        whole = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes + slack)
-    start = -whole.data_ptr() % HUGE_PAGE_BYTES if large else 0
-    return whole[start : start + nbytes].view(dtype).view(shape)
+    buf = mmap.mmap(-1, max(size + slack, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if not large:
+        return tensor_over(buf, shape, dtype)
+    _advise(buf)
+    base = tensor_over(buf, (1,), torch.uint8).data_ptr()
+    return tensor_over(buf, shape, dtype, offset=-base % HUGE_PAGE_BYTES)
 
 
 def contiguous(t: torch.Tensor) -> torch.Tensor:

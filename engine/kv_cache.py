@@ -14,8 +14,6 @@ allocated and never holds anything that is read back for a real token.
 from __future__ import annotations
 
 import contextlib
-import math
-import warnings
 import weakref
 from dataclasses import asdict, dataclass
 from multiprocessing import shared_memory
@@ -75,18 +73,6 @@ class KVCacheSpec:
         return -(-num_tokens // self.block_size)
 
 
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-
-
-def _tensor_over(buf, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of ``shape`` over a writable buffer of exactly its size (the tensor keeps the buffer alive)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # frombuffer warns about non-writable buffers only
-        flat = torch.frombuffer(buf, dtype=torch.uint8, count=_nbytes(shape, dtype))
-    return flat.view(dtype).view(shape)
-
-
 def _unlink(shm: shared_memory.SharedMemory) -> None:
     with contextlib.suppress(FileNotFoundError):
         shm.unlink()
@@ -135,13 +121,13 @@ class KVCache:
         return huge_pages.zeros(shape, dtype)  # the tensor holds the mapping: it lives as long as the tensor
 
     def _shared_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        shm = create_segment(_nbytes(shape, dtype))  # a new segment reads as zeros
+        shm = create_segment(huge_pages.nbytes(shape, dtype))  # a new segment reads as zeros
         self.shm_name = shm.name
         # The tensor borrows shm.buf, so the segment cannot be closed while it lives; unlinking the
         # name when the cache is collected (or at exit, by the resource tracker) leaves peers'
         # mappings valid and frees the memory once every mapping is gone.
         weakref.finalize(self, _unlink, shm)
-        return _tensor_over(shm.buf, shape, dtype)
+        return huge_pages.tensor_over(shm.buf, shape, dtype)
 
     def key_cache(self, layer: int) -> torch.Tensor:
         return self.data[layer, 0]  # [num_blocks + 1, block_size, KVH, D]

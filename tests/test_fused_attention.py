@@ -7,6 +7,7 @@ here against the unfused engine)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -171,3 +172,17 @@ def test_prebuild_compiles_only_what_the_cache_lacks(rope, tmp_path, monkeypatch
     assert not library.exists()
     assert build.prebuild() == 1 and library.is_file()
     assert build.prebuild() == 0
+
+
+def test_prebuild_stops_its_compilers_when_told(rope, tmp_path, monkeypatch) -> None:
+    # A server whose start-up fails sets the event: the compile ends at once, leaving nothing built or running.
+    import threading
+
+    monkeypatch.setenv("BUCKETSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "KERNELS", ((build.ROTARY_SOURCE, "rope_write_kv"),))
+    stop = threading.Event()
+    threading.Timer(1.0, stop.set).start()
+    t0 = time.perf_counter()
+    assert build.prebuild(stop) == 0
+    assert time.perf_counter() - t0 < 10
+    assert not (build.build_dir(build.ROTARY_SOURCE) / "bucketserve_rotary.so").exists()

@@ -697,31 +697,60 @@ def _wait_for_gateway(name: str, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-def _prebuild_cpu_kernels(device: str) -> threading.Thread | None:
-    """A thread compiling the engine's CPU kernels not yet in the cache (``engine.kernels.build.prebuild``), where
-    the workers will run on this machine's CPU; None where the device is named and is not the CPU. From an empty
-    cache on a 2-core Xeon, the four took 45-49 s side by side against the workers' 76 s building them in turn.
-    torch is imported in the thread, so the flag check and Ray's start never wait for it."""
-    if device not in ("cpu", "auto"):
-        return None
+class _KernelPrebuild:
+    """Compiles the engine's CPU kernels not yet in the cache (``engine.kernels.build.prebuild``) in a thread,
+    where the workers will run on this machine's CPU, while Ray starts. From an empty cache on a 2-core Xeon, the
+    four took 45-49 s side by side against the workers' 76 s building them in turn. torch is imported in the
+    thread, so the flag check and Ray's start never wait for it. ``close`` stops it and waits for the thread:
+    a thread still importing torch or logging when the interpreter finalises aborts the process (SIGABRT on the
+    stderr lock) instead of letting it exit with its status."""
 
-    def prebuild() -> None:
-        import importlib.util
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
-        import torch
-
-        if device == "auto" and (torch.cuda.is_available() or importlib.util.find_spec("habana_frameworks")):
+    def start(self, device: str) -> None:
+        """Start compiling, unless the device is named and is not the CPU."""
+        if device not in ("cpu", "auto"):
             return
-        from engine.kernels.build import prebuild as build_missing
 
-        build_missing()
+        def prebuild() -> None:
+            import importlib.util
 
-    thread = threading.Thread(target=prebuild, name="kernel-prebuild", daemon=True)
-    thread.start()
-    return thread
+            import torch
+
+            accelerator = (
+                torch.cuda.is_available() or importlib.util.find_spec("habana_frameworks") is not None
+            )
+            if self._stop.is_set() or (device == "auto" and accelerator):
+                return
+            from engine.kernels.build import prebuild as build_missing
+
+            build_missing(self._stop)
+
+        self._thread = threading.Thread(target=prebuild, name="kernel-prebuild", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Wait until the kernels are built (the workers load them next)."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def close(self) -> None:
+        """Stop compiling and wait for the thread to end (at most the rest of torch's import)."""
+        self._stop.set()
+        self.wait()
 
 
 def run(args: argparse.Namespace) -> int:
+    kernels = _KernelPrebuild()
+    try:
+        return _run(args, kernels)
+    finally:
+        kernels.close()
+
+
+def _run(args: argparse.Namespace, kernels: _KernelPrebuild) -> int:
     from gateway.flags import FlagError, check_port_free
     from gateway.ray_network import is_loopback, warn_if_open_http
 
@@ -738,7 +767,7 @@ def run(args: argparse.Namespace) -> int:
         warn_if_open_http(args.host, api_key(args))
         start_up.check()
         # The CPU kernels compile (first start only) while Ray starts, side by side, not in each worker in turn.
-        kernels = _prebuild_cpu_kernels(config.engine.device)
+        kernels.start(config.engine.device)
         start_up.check()
     except FlagError as e:
         if start_up.pending:  # the signal's doing (an import it cut short), not the user's mistake
@@ -810,8 +839,7 @@ def run(args: argparse.Namespace) -> int:
         start_up.check()
         gateway = threading.Thread(target=start_gateway, name="gateway-start", daemon=True)
         gateway.start()
-        if kernels is not None:
-            kernels.join()
+        kernels.wait()
         handles = launch_cluster(config)
         start_up.check()
         gateway.join()

@@ -129,6 +129,24 @@ class KVCache:
         weakref.finalize(self, _unlink, shm)
         return huge_pages.tensor_over(shm.buf, shape, dtype)
 
+    def prefault(self, max_bytes: int) -> int:
+        """Back the first blocks with memory now, up to ``max_bytes`` of them; returns how many blocks.
+
+        A CPU cache is mapped lazily (``_mapped_zeros``): each page is backed when first written, and that first
+        write pays the page fault and the kernel's zeroing (with THP's compaction where it must assemble a 2 MiB
+        page). The allocator hands out the lowest block ids first and reuses freed blocks first, so the first
+        blocks are the working set of the first requests and of a steady load: backing them at start-up keeps
+        those faults out of the first steps. In the 128-prompt offline benchmark of ``small`` (about 1,700
+        blocks), the first run's K/V writes took 526 ms against 78-84 ms in the runs after it; backing 2,048
+        blocks (512 MiB) took 0.2-0.5 s at start-up on two cores. The rest of the cache is still backed lazily, so
+        a worker's memory grows with the load it sees, as before. Accelerator caches are written whole at
+        allocation: nothing to do."""
+        if self.device.type != "cpu" or max_bytes <= 0:
+            return 0
+        n = min(self.num_blocks, max_bytes // max(1, self.spec.bytes_per_block))
+        self.data[:, :, :n].zero_()  # [L, 2, n, block_size, KVH, D]: zeros already, now backed
+        return n
+
     def key_cache(self, layer: int) -> torch.Tensor:
         return self.data[layer, 0]  # [num_blocks + 1, block_size, KVH, D]
 

@@ -21,18 +21,31 @@ needs_thp = pytest.mark.skipif(
 )
 
 
-def _vm_flags(t: torch.Tensor) -> set[str]:
-    """The VmFlags of the mapping that holds ``t``'s first byte."""
+def _mapping_fields(t: torch.Tensor) -> dict[str, list[str]]:
+    """The smaps fields of the mapping that holds ``t``'s first byte (``VmFlags``, ``Rss``, ...)."""
     addr = t.data_ptr()
     inside = False
+    fields: dict[str, list[str]] = {}
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
+            if inside:
+                break
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= addr < hi
-        elif inside and head == "VmFlags:":
-            return set(line.split()[1:])
-    raise AssertionError(f"no mapping holds address {addr:#x}")
+        elif inside:
+            fields[head.rstrip(":")] = line.split()[1:]
+    if not fields:
+        raise AssertionError(f"no mapping holds address {addr:#x}")
+    return fields
+
+
+def _vm_flags(t: torch.Tensor) -> set[str]:
+    return set(_mapping_fields(t)["VmFlags"])
+
+
+def _rss_bytes(t: torch.Tensor) -> int:
+    return int(_mapping_fields(t)["Rss"][0]) * 1024
 
 
 @needs_thp
@@ -96,3 +109,24 @@ def test_large_zeros_start_on_a_huge_page() -> None:
         assert t.shape == shape and not t.any()
         t.fill_(1.0)  # every byte of it is inside the mapping
         assert t.sum().item() == t.numel()
+
+
+def test_prefault_backs_the_first_blocks_and_no_more() -> None:
+    spec = KVCacheSpec(
+        architecture="LlamaForCausalLM",
+        num_layers=2,
+        num_kv_heads=4,
+        head_dim=64,
+        block_size=16,
+        dtype="float32",
+    )
+    cache = KVCache(spec, num_blocks=1024)  # 4 regions (layer, K/V) of 1025 * 16 KiB: about 64 MiB
+    total = cache.nbytes
+    assert _rss_bytes(cache.data) < total // 8  # mapped lazily: nothing written yet
+    assert cache.prefault(0) == 0
+    assert cache.prefault(4 * 2**20) == 64  # 64 blocks of 64 KiB (all layers, K and V)
+    rss = _rss_bytes(cache.data)
+    # Each region's first 1 MiB is backed; on 2 MiB pages, at most two pages per region.
+    assert 4 * 2**20 <= rss <= 16 * 2**20 + 2**20, rss
+    assert not cache.data.any()  # still zeros, and the blocks past them read as zeros too
+    assert cache.prefault(2**40) == 1024

@@ -48,6 +48,18 @@ def _rss_bytes(t: torch.Tensor) -> int:
     return int(_mapping_fields(t)["Rss"][0]) * 1024
 
 
+def _spec() -> KVCacheSpec:
+    """Two layers of 4 KV heads of 64, blocks of 16 fp32 tokens: 64 KiB a block over all layers, K and V."""
+    return KVCacheSpec(
+        architecture="LlamaForCausalLM",
+        num_layers=2,
+        num_kv_heads=4,
+        head_dim=64,
+        block_size=16,
+        dtype="float32",
+    )
+
+
 @needs_thp
 def test_zeros_reads_zero_is_writable_and_is_advised() -> None:
     t = huge_pages.zeros((3, 1024, 1024), torch.float32)  # 12 MiB
@@ -85,14 +97,7 @@ def test_contiguous_leaves_small_tensors_to_torch() -> None:
 
 @needs_thp
 def test_kv_cache_and_weight_panels_are_advised() -> None:
-    spec = KVCacheSpec(
-        architecture="LlamaForCausalLM",
-        num_layers=2,
-        num_kv_heads=4,
-        head_dim=64,
-        block_size=16,
-        dtype="float32",
-    )
+    spec = _spec()
     cache = KVCache(spec, num_blocks=256)  # 2 * 2 * 257 * 16 KiB: about 16 MiB
     assert "hg" in _vm_flags(cache.data)
     assert not cache.data.any()
@@ -112,14 +117,7 @@ def test_large_zeros_start_on_a_huge_page() -> None:
 
 
 def test_prefault_backs_the_first_blocks_and_no_more() -> None:
-    spec = KVCacheSpec(
-        architecture="LlamaForCausalLM",
-        num_layers=2,
-        num_kv_heads=4,
-        head_dim=64,
-        block_size=16,
-        dtype="float32",
-    )
+    spec = _spec()
     cache = KVCache(spec, num_blocks=1024)  # 4 regions (layer, K/V) of 1025 * 16 KiB: about 64 MiB
     total = cache.nbytes
     assert _rss_bytes(cache.data) < total // 8  # mapped lazily: nothing written yet

@@ -138,7 +138,7 @@ class KVCache:
         blocks are the working set of the first requests and of a steady load: backing them at start-up keeps
         those faults out of the first steps. In the 128-prompt offline benchmark of ``small`` (about 1,700
         blocks), the first run's K/V writes took 526 ms against 78-84 ms in the runs after it; backing 2,048
-        blocks (512 MiB) took 0.2-0.5 s at start-up on two cores. The rest of the cache is still backed lazily, so
+        blocks (512 MiB) took 0.2-0.75 s at start-up on two cores. The rest of the cache is still backed lazily, so
         a worker's memory grows with the load it sees, as before. Accelerator caches are written whole at
         allocation: nothing to do."""
         if self.device.type != "cpu" or max_bytes <= 0:

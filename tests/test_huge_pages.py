@@ -5,6 +5,7 @@ mapping with 2 MiB pages is its choice; that it was asked is the ``hg`` flag of 
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import pytest
@@ -21,34 +22,25 @@ needs_thp = pytest.mark.skipif(
 )
 
 
-def _mapping_fields(t: torch.Tensor) -> dict[str, list[str]]:
-    """The smaps fields of the mapping that holds ``t``'s first byte (``VmFlags``, ...)."""
+def _vm_flags(t: torch.Tensor) -> set[str]:
+    """The VmFlags of the mapping that holds ``t``'s first byte."""
     addr = t.data_ptr()
     inside = False
-    fields: dict[str, list[str]] = {}
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
-            if inside:
-                break
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= addr < hi
-        elif inside:
-            fields[head.rstrip(":")] = line.split()[1:]
-    if not fields:
-        raise AssertionError(f"no mapping holds address {addr:#x}")
-    return fields
-
-
-def _vm_flags(t: torch.Tensor) -> set[str]:
-    return set(_mapping_fields(t)["VmFlags"])
+        elif inside and head == "VmFlags:":
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds address {addr:#x}")
 
 
 def _backed_bytes(t: torch.Tensor) -> int:
-    """Bytes of ``t``'s pages that are backed by memory, from ``/proc/self/pagemap`` (bit 63 of each 4 KiB page's
+    """Bytes of ``t``'s pages that are backed by memory, from ``/proc/self/pagemap`` (bit 63 of each base page's
     entry: present). Not the mapping's Rss in smaps: the kernel merges neighbouring anonymous mappings with the same
     flags into one, whose Rss then counts other tensors too."""
-    page = 4096
+    page = mmap.PAGESIZE
     first = t.data_ptr() // page
     last = (t.data_ptr() + t.numel() * t.element_size() - 1) // page
     with open("/proc/self/pagemap", "rb") as f:

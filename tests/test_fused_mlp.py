@@ -24,6 +24,15 @@ def _panels_on_any_host(monkeypatch):
     )
 
 
+# The product prepacks bf16 linears (and so fuses bf16 MLPs) only where oneDNN has a bf16 path; elsewhere the
+# reorder itself raises (test_bf16_linears_are_prepacked_only_where_onednn_has_a_bf16_path covers that choice).
+needs_onednn_bf16 = pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="oneDNN has no bf16 path on this CPU (no AVX-512 BW/VL/DQ or AVX-NE-CONVERT): bf16 linears are not "
+    "prepacked, so no bf16 MLP is fused here",
+)
+
+
 @pytest.fixture(scope="module")
 def silu_mul():
     assert build.load_skinny_linear() is not None, "the skinny linear kernel did not build"
@@ -48,6 +57,20 @@ def test_kernel_matches_silu_of_gate_times_up_in_float64(silu_mul, m: int, n: in
     # fp32 sums of k products against float64: tolerance on the scale of the outputs (cancellation near 0)
     atol = 1e-5 * want.abs().max().item()
     torch.testing.assert_close(silu_mul(x, _interleaved(gate, up), n), want, rtol=1e-4, atol=atol)
+
+
+@pytest.mark.parametrize("m", [4, 8, 40])
+def test_kernel_gives_a_row_the_same_bits_in_any_batch(silu_mul, m: int) -> None:
+    # The K-blocked schedule (AVX2, more rows than a pass) sums in the one-pass order and applies the same SiLU.
+    gen = torch.Generator().manual_seed(m)
+    x, gate, up = (
+        torch.randn(m, 300, generator=gen),
+        torch.randn(100, 300, generator=gen),
+        torch.randn(100, 300, generator=gen),
+    )
+    panels = _interleaved(gate, up)
+    alone = torch.cat([silu_mul(x[i : i + 1], panels, 100) for i in range(m)])
+    assert torch.equal(silu_mul(x, panels, 100), alone)
 
 
 def test_kernel_refuses_panels_that_cannot_hold_the_size(silu_mul) -> None:
@@ -80,6 +103,7 @@ def test_the_fused_model_equals_the_unfused_one_to_fp32_rounding(silu_mul, lengt
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("length", [9, SKINNY_MAX_M + 7])
 def test_in_bf16_the_fused_model_agrees_to_bf16_rounding(silu_mul, length: int) -> None:
     # transformers rounds gate and up to bf16 before the SiLU and the product; the fused pass rounds once
@@ -116,7 +140,7 @@ class SiluMLP(GeluMLP):
         self.act_fn = torch.nn.SiLU()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_onednn_bf16)])
 def test_an_mlp_with_another_activation_keeps_its_own_forward(silu_mul, dtype: torch.dtype) -> None:
     mlp = GeluMLP().to(dtype)
     prepack_linears(mlp)

@@ -47,6 +47,21 @@ def test_matches_a_float64_matmul(skinny, m: int, n: int, k: int) -> None:
     torch.testing.assert_close(skinny(x, panels, bias, n), _reference(x, w, bias), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("m", [4, 8, 13, 40])
+@pytest.mark.parametrize(("n", "k"), [(100, 300), (1408, 512)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_bits_in_any_batch(skinny, m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    # Every accumulator sums its products in k order from the bias, however the rows are grouped into passes
+    # (one pass per row block, or block by block of k on AVX2): a decode's result does not depend on its batch.
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    panels = panel_layout(w)
+    alone = torch.cat([skinny(x[i : i + 1], panels, bias, n) for i in range(m)])
+    assert torch.equal(skinny(x, panels, bias, n), alone)
+
+
 @pytest.mark.parametrize("m", [1, 8, 13, 40])
 @pytest.mark.parametrize(("n", "k"), [(100, 37), (1408, 512)])
 def test_bf16_weights_and_rows_are_widened_exactly(skinny, m: int, n: int, k: int) -> None:

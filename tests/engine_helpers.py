@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from engine.config import BucketingConfig, CacheConfig, EngineConfig, SchedulerConfig
@@ -12,6 +13,15 @@ from engine.config import BucketingConfig, CacheConfig, EngineConfig, SchedulerC
 # The engine tests run on the CPU; BUCKETSERVE_TEST_DEVICE=cuda runs the same tests on a GPU, with the
 # Hugging Face reference on that GPU too (fp32 on both sides, so greedy outputs stay comparable).
 TEST_DEVICE = os.environ.get("BUCKETSERVE_TEST_DEVICE", "cpu")
+
+# The engine prepacks bf16 linears (and so fuses bf16 MLPs and attention layers, and walks the decoder stack) only
+# where oneDNN has a bf16 path; on an AVX2-only CPU the reorder raises and bf16 models keep their own forwards
+# (test_bf16_linears_are_prepacked_only_where_onednn_has_a_bf16_path covers that choice).
+needs_onednn_bf16 = pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="oneDNN has no bf16 path on this CPU (no AVX-512 BW/VL/DQ or AVX-NE-CONVERT): bf16 linears are not "
+    "prepacked here, so nothing is fused in bf16",
+)
 
 
 def small_config(**kw) -> EngineConfig:

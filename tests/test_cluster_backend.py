@@ -363,11 +363,15 @@ def test_a_lone_prompt_prefills_on_the_idle_decode_workers_core_too(ray_session,
             got = asyncio.run(collect(backend, req))
             assert got.error is None, got.error
             assert got.tokens == reference.greedy(req.prompt_token_ids, 5, ignore_eos=True), req.request_id
-            # The next prompt is lone only once the controller knows this one ended (the decode worker says so).
+            # The next prompt is lone only once the controller knows this one ended (the decode worker says so) and
+            # its prompt batch is done (the prefill worker says so, on its own message, which on a loaded machine
+            # can come after the request's last token).
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
                 state = ray.get(backend.handles.controller.state.remote())
-                if state["decode"]["t-cores:decode-0"]["requests"] == 0:
+                if state["decode"]["t-cores:decode-0"]["requests"] == 0 and not any(
+                    w["outstanding"] for w in state["prefill"].values()
+                ):
                     break
                 time.sleep(0.05)
         assert state["core_shared_batches"] == 3, state

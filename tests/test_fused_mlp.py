@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import needs_onednn_bf16
 
 from engine import linear_prepack
 from engine.fused_mlp import fuse_gated_mlps
@@ -22,15 +23,6 @@ def _panels_on_any_host(monkeypatch):
     monkeypatch.setattr(
         linear_prepack, "_wants_panels", lambda dtype: dtype in (torch.float32, torch.bfloat16)
     )
-
-
-# The product prepacks bf16 linears (and so fuses bf16 MLPs) only where oneDNN has a bf16 path; elsewhere the
-# reorder itself raises (test_bf16_linears_are_prepacked_only_where_onednn_has_a_bf16_path covers that choice).
-needs_onednn_bf16 = pytest.mark.skipif(
-    not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-    reason="oneDNN has no bf16 path on this CPU (no AVX-512 BW/VL/DQ or AVX-NE-CONVERT): bf16 linears are not "
-    "prepacked, so no bf16 MLP is fused here",
-)
 
 
 @pytest.fixture(scope="module")

@@ -37,12 +37,11 @@ logger = logging.getLogger(__name__)
 # chunks well (measured: within 10% of the best hint from M = 1 to 512).
 PACK_HINT_M = 32
 # Up to this many rows a linear runs on the skinny kernel (when it is built), above it on oneDNN. AVX-512 (2-core
-# host): 1.03-1.26x oneDNN's speed at 64 rows over the small model's shapes, 0.97-1.17x at 96. AVX2 (2-core EPYC
-# Zen 3, a 16-column panel in two 8-float registers, 3 rows a pass, K-blocked past 3 rows), 2 threads, weights of
-# [512 -> 2816], [1408 -> 512], [512 -> 1024], [512 -> 4096]: 1.6-1.7x oneDNN at 1 row, 1.9-2.3x at 8, 1.7-2.0x at
-# 16, 1.25-1.5x at 32, 1.08-1.32x at 48, 1.03-1.15x at 64. (Before the K-blocking: 0.84-0.95x at 16, 0.5-0.7x from 32.)
+# host): 1.03-1.26x oneDNN's speed at 64 rows over the small model's shapes, 0.97-1.17x at 96. AVX2 (2-core EPYC,
+# a 16-column panel in two 8-float registers, 3 rows a pass): 1.2-1.9x oneDNN from 1 to 8 rows over
+# [512 -> 1408], [1408 -> 512] and [512 -> 32000], 0.84-0.95x at 16, 0.5-0.7x from 32.
 _CPU = torch.backends.cpu.get_cpu_capability()
-SKINNY_MAX_M = 64 if _CPU == "AVX512" else 48
+SKINNY_MAX_M = 64 if _CPU == "AVX512" else 8
 SKINNY_PANEL = 16  # output columns per panel of the skinny kernel's weight layout
 
 

@@ -53,7 +53,7 @@ def test_kernel_matches_silu_of_gate_times_up_in_float64(silu_mul, m: int, n: in
 
 @pytest.mark.parametrize("m", [4, 8, 40])
 def test_kernel_gives_a_row_the_same_bits_in_any_batch(silu_mul, m: int) -> None:
-    # The K-blocked schedule (AVX2, more rows than a pass) sums in the one-pass order and applies the same SiLU.
+    # Each row's gate and up sums run in k order whatever rows share the pass, and the same SiLU follows.
     gen = torch.Generator().manual_seed(m)
     x, gate, up = (
         torch.randn(m, 300, generator=gen),

@@ -51,8 +51,8 @@ def test_matches_a_float64_matmul(skinny, m: int, n: int, k: int) -> None:
 @pytest.mark.parametrize(("n", "k"), [(100, 300), (1408, 512)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_gets_the_same_bits_in_any_batch(skinny, m: int, n: int, k: int, dtype: torch.dtype) -> None:
-    # Every accumulator sums its products in k order from the bias, however the rows are grouped into passes
-    # (one pass per row block, or block by block of k on AVX2): a decode's result does not depend on its batch.
+    # Every accumulator sums its products in k order from the bias, however many rows share a pass: a decode's
+    # result does not depend on the batch it runs in.
     gen = torch.Generator().manual_seed(m + n + k)
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = torch.randn(n, k, generator=gen).to(dtype)

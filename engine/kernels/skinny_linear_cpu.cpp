@@ -11,8 +11,7 @@
 // 16p .. 16p+15 as [K][16] (one 64-byte line per k, zero-padded past N): a panel is one forward stream of K
 // lines. A pass takes two adjacent panels and up to 12 rows: per k, two lines of W are loaded and each
 // x[m][k] is broadcast once into two FMAs, 24 accumulators in registers. More rows make more passes over the
-// same two panels (64 KB at K = 512), which then come from L1/L2, not from memory; on AVX2 (3 rows a pass)
-// those passes go block by block of k instead (panels_k_blocked), so the weight streams while they compute. Threads take contiguous
+// same two panels (64 KB at K = 512), which then come from L1/L2, not from memory. Threads take contiguous
 // runs of panel pairs, so each streams its own part of the weight once. Software prefetch runs 8 KB ahead.
 //
 // Measured on a 2-core AVX-512 host, 2 threads, fp32, weights well beyond the caches (GB/s of weights read,
@@ -34,7 +33,6 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
-#include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -182,41 +180,6 @@ inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restr
       for (int m = 0; m < MR; ++m) store_cols(y + m * ldy + p * kPanel, acc[p][m][0], acc[p][m][1], width[p]);
   }
 }
-
-// Rows [0, MR) of NP adjacent panels over k in [k0, k1), accumulating into acc_out[MR][NP * 16]: one block of
-// panels_k_blocked's schedule.
-template <int MR, int NP, typename WT>
-inline void panel_rows_kblock(const float* __restrict x, int64_t ldx, const WT* __restrict w, int64_t K,
-                              int64_t k0, int64_t k1, float* __restrict acc_out) {
-  constexpr int64_t ahead = kPrefetchLines * static_cast<int64_t>(sizeof(float) / sizeof(WT));
-  __m256 acc[NP][MR][2];
-  for (int p = 0; p < NP; ++p)
-    for (int m = 0; m < MR; ++m) {
-      acc[p][m][0] = _mm256_loadu_ps(acc_out + m * NP * kPanel + p * kPanel);
-      acc[p][m][1] = _mm256_loadu_ps(acc_out + m * NP * kPanel + p * kPanel + 8);
-    }
-  const int64_t stride = K * kPanel;
-  for (int64_t k = k0; k < k1; ++k) {
-    __m256 wlo[NP], whi[NP];
-    for (int p = 0; p < NP; ++p) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + p * stride + (k + ahead) * kPanel), _MM_HINT_T0);
-      load_w<WT>(w + p * stride + k * kPanel, wlo[p], whi[p]);
-    }
-    for (int m = 0; m < MR; ++m) {
-      const __m256 xv = _mm256_broadcast_ss(x + m * ldx + k);
-      for (int p = 0; p < NP; ++p) {
-        acc[p][m][0] = _mm256_fmadd_ps(xv, wlo[p], acc[p][m][0]);
-        acc[p][m][1] = _mm256_fmadd_ps(xv, whi[p], acc[p][m][1]);
-      }
-    }
-  }
-  for (int p = 0; p < NP; ++p)
-    for (int m = 0; m < MR; ++m) {
-      _mm256_storeu_ps(acc_out + m * NP * kPanel + p * kPanel, acc[p][m][0]);
-      _mm256_storeu_ps(acc_out + m * NP * kPanel + p * kPanel + 8, acc[p][m][1]);
-    }
-}
-#define BUCKETSERVE_K_BLOCKED 1  // panels_k_blocked below
 #else
 inline float widen(float v) { return v; }
 inline float widen(bf16_bits v) {
@@ -257,73 +220,9 @@ inline void rows_tail(const float* x, int64_t K, const WT* w, const float* bias,
 }
 
 // Rows [0, M) of NP adjacent panels, kRowBlock at a time, then the remainder.
-#if defined(BUCKETSERVE_K_BLOCKED)
-// AVX2 with more rows than one pass holds: K-blocked. For each block of kBlockK k-steps (2 panels x 64 k = 8 KB
-// of weight, in L1) every group of kRowBlock rows runs over it, its accumulators parked in a small fp32 buffer
-// between blocks. Row-by-row passes over the whole panel pair (64 KB at K = 512, beyond AVX2 hosts' 32 KB L1)
-// re-read it from L2 after the first pass had streamed it from memory, so memory sat idle while the later
-// passes computed. Measured on a 2-core AMD EPYC (Zen 3), 2 threads, 16 layers' weights cycled, GB/s of weight
-// read (row passes / K-blocked, 64 / 32 / 128 k a block): [512 -> 2 x 1408 gated] M = 8: 7.7 / 12.3, 12.5, 11.3;
-// [1408 -> 512] 9.5 / 16.2, 16.0, 14.9; [512 -> 1024] 10.6 / 17.6, 17.5, 16.9; M = 4: 1.2-1.3x, M = 6: 1.4-1.6x.
-// Results are bit for bit those of the row passes: each accumulator sums the same products in the same k order.
-constexpr int64_t kBlockK = 64;
-
-template <int NP, int MR, typename WT>
-inline void kblock_tail(const float* x, int64_t K, const WT* w, int64_t k0, int64_t k1, float* acc) {
-  if constexpr (MR > 0) panel_rows_kblock<MR, NP, WT>(x, K, w, K, k0, k1, acc);
-}
-
-template <int NP, bool kGated, typename WT>
-inline void panels_k_blocked(const float* x, int64_t M, int64_t K, const WT* w, const float* bias, float* y,
-                             int64_t N, int64_t cols) {
-  static_assert(kRowBlock == 3, "the tail below handles 1 or 2 rows");
-  thread_local std::vector<float> buffer;
-  buffer.resize(static_cast<size_t>(M * NP * kPanel));
-  float* acc = buffer.data();  // [M][NP * 16]
-  int64_t width[NP];
-  for (int p = 0; p < NP; ++p) width[p] = std::clamp<int64_t>(cols - p * kPanel, 0, kPanel);
-  for (int64_t m = 0; m < M; ++m)
-    for (int p = 0; p < NP; ++p)
-      for (int64_t c = 0; c < kPanel; ++c)
-        acc[(m * NP + p) * kPanel + c] = bias && c < width[p] ? bias[p * kPanel + c] : 0.f;
-  for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
-    const int64_t k1 = std::min(K, k0 + kBlockK);
-    int64_t m = 0;
-    for (; m + kRowBlock <= M; m += kRowBlock)
-      panel_rows_kblock<kRowBlock, NP, WT>(x + m * K, K, w, K, k0, k1, acc + m * NP * kPanel);
-    switch (M - m) {
-      case 2: kblock_tail<NP, 2, WT>(x + m * K, K, w, k0, k1, acc + m * NP * kPanel); break;
-      case 1: kblock_tail<NP, 1, WT>(x + m * K, K, w, k0, k1, acc + m * NP * kPanel); break;
-      default: break;
-    }
-  }
-  for (int64_t m = 0; m < M; ++m) {
-    const float* a = acc + m * NP * kPanel;
-    if constexpr (kGated) {
-      // silu(gate) * up as ATen computes SiLU (x / (1 + exp(-x))), vector by vector, as the one-pass epilogue.
-      using Vec = at::vec::Vectorized<float>;
-      alignas(64) float h[kPanel];
-      for (int64_t c = 0; c < kPanel; c += Vec::size()) {
-        const Vec g = Vec::loadu(a + c);
-        (g / (Vec(1.f) + g.neg().exp()) * Vec::loadu(a + kPanel + c)).store(h + c);
-      }
-      std::copy(h, h + width[0], y + m * N);
-    } else {
-      for (int p = 0; p < NP; ++p) std::copy(a + p * kPanel, a + p * kPanel + width[p], y + m * N + p * kPanel);
-    }
-  }
-}
-#endif
-
 template <int NP, bool kGated, typename WT>
 inline void panels_all_rows(const float* x, int64_t M, int64_t K, const WT* w, const float* bias, float* y,
                             int64_t N, int64_t cols) {
-#if defined(BUCKETSERVE_K_BLOCKED)
-  if (M > kRowBlock) {
-    panels_k_blocked<NP, kGated, WT>(x, M, K, w, bias, y, N, cols);
-    return;
-  }
-#endif
   int64_t m = 0;
   for (; m + kRowBlock <= M; m += kRowBlock)
     panel_rows<kRowBlock, NP, kGated, WT>(x + m * K, K, w, K, bias, y + m * N, N, cols);

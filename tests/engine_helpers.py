@@ -1,5 +1,6 @@
-"""Shared helpers for engine tests: the test device, a small engine config, random prompts and greedy outputs
-(the Hugging Face reference is the ``hf_reference`` fixture in conftest.py)."""
+"""Shared helpers for engine tests: the test device, a small engine config, random prompts, greedy outputs and
+the skip marker of the bf16 fusion tests (the Hugging Face reference is the ``hf_reference`` fixture in
+conftest.py)."""
 
 from __future__ import annotations
 

@@ -10,18 +10,19 @@ import pytest
 import torch
 
 from engine.config import BucketingConfig, CacheConfig, EngineConfig, SchedulerConfig
+from engine.linear_prepack import can_prepack
 
 # The engine tests run on the CPU; BUCKETSERVE_TEST_DEVICE=cuda runs the same tests on a GPU, with the
 # Hugging Face reference on that GPU too (fp32 on both sides, so greedy outputs stay comparable).
 TEST_DEVICE = os.environ.get("BUCKETSERVE_TEST_DEVICE", "cpu")
 
-# The engine prepacks bf16 linears (and so fuses bf16 MLPs and attention layers, and walks the decoder stack) only
-# where oneDNN has a bf16 path; on an AVX2-only CPU the reorder raises and bf16 models keep their own forwards
-# (test_bf16_linears_are_prepacked_only_where_onednn_has_a_bf16_path covers that choice).
+# The engine's own choice (can_prepack): bf16 linears are prepacked (and so bf16 MLPs and attention layers fused,
+# and the decoder stack walked) only where oneDNN has a bf16 path; on an AVX2-only CPU the reorder raises and bf16
+# models keep their own forwards (test_bf16_linears_are_prepacked_only_where_onednn_has_a_bf16_path covers it).
 needs_onednn_bf16 = pytest.mark.skipif(
-    not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    not can_prepack(torch.device("cpu"), torch.bfloat16),
     reason="oneDNN has no bf16 path on this CPU (no AVX-512 BW/VL/DQ or AVX-NE-CONVERT): bf16 linears are not "
-    "prepacked here, so nothing is fused in bf16",
+    "prepacked here (they stay F.linear), so nothing is fused in bf16",
 )
 
 

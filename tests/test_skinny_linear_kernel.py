@@ -6,6 +6,7 @@ import gc
 
 import pytest
 import torch
+from engine_helpers import needs_onednn_bf16
 
 from engine import linear_prepack
 from engine.kernels import build
@@ -142,10 +143,7 @@ def test_without_the_kernel_extension_every_row_count_runs_on_onednn(monkeypatch
         torch.testing.assert_close(compiled(x), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(
-    not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-    reason="oneDNN has no bf16 path on this CPU (no AVX-512 BW/VL/DQ or AVX-NE-CONVERT): bf16 linears stay F.linear",
-)
+@needs_onednn_bf16
 def test_bf16_linears_take_the_skinny_kernel_too(skinny) -> None:
     lin = torch.nn.Linear(64, 96).to(torch.bfloat16)
     with torch.inference_mode():

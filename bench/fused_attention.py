@@ -86,11 +86,12 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from bench.report import publish
-    from engine.config import config_from_args
+    from engine.config import block_size_for, config_from_args
+    from engine.device import get_device
 
     batches = [int(b) for b in args.batches.split(",") if b]
     cfg = config_from_args(args)
-    block = cfg.cache.block_size or 16
+    block = block_size_for(cfg, get_device(cfg.device).name)
     need = max(batches) * (-(-(args.context + args.steps + 16) // block) + 1) + 16
     if cfg.cache.num_blocks is None or cfg.cache.num_blocks < need:
         cfg = replace(cfg, cache=replace(cfg.cache, num_blocks=need, block_size=block))

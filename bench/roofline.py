@@ -333,7 +333,8 @@ def run(args: argparse.Namespace) -> None:
     import torch
 
     from bench.report import publish
-    from engine.config import config_from_args
+    from engine.config import block_size_for, config_from_args
+    from engine.device import get_device
     from engine.llm_engine import LLMEngine
 
     if args.threads:
@@ -341,7 +342,7 @@ def run(args: argparse.Namespace) -> None:
     prefill = [tuple(int(x) for x in item.split("x")) for item in args.prefill.split(",") if item]
     batches = [int(b) for b in args.decode_batches.split(",") if b]
     cfg = config_from_args(args)
-    block = cfg.cache.block_size or 16
+    block = block_size_for(cfg, get_device(cfg.device).name)
     # Enough KV for the largest decode batch at its context (plus the timed steps) and for the largest prefill,
     # whatever the default cap.
     decode_need = max(batches, default=0) * (-(-(args.context + args.repeats + 4) // block) + 1)

@@ -256,27 +256,34 @@ struct Item {
   // the same two passes per chunk, with each K row loaded once for all M rows and the V pass accumulating in
   // registers over the whole chunk, one head at a time. About 40% fewer instructions per byte than the
   // general path; from DRAM, 8 decodes at context 512 over 8 layers went from 2.5-2.6 to 1.75-2.3 ms on the
-  // 2-core AVX-512 host. Software prefetch into L2, one pass ahead as in run_streaming (V of the chunk during
-  // its K pass, K of the next chunk during its V pass): on that host the hardware prefetchers kept up without
-  // it (1.86-2.30 ms with, 1.75-2.3 without), on a 2-core Xeon with AMX, whose single cores stream less, it
-  // cut the attention of the engine's decode steps by 4-9% (batch 8: 382-386 us a layer against 405-410;
-  // batch 32: 1.64-1.65 ms against 1.71-1.80; batch 1: 44-47 us against 50-58; two runs each).
+  // 2-core AVX-512 host.
+  //
+  // The K pass reads four forward streams at once: the chunk's slots in four consecutive quarters, one slot of
+  // each quarter per step (the four dots one hsum4 finishes), each slot's row of all the item's heads in memory
+  // order. A core's hardware prefetchers follow several forward streams but not the 1 KiB-strided walk of one
+  // head across four adjacent rows that the step took before. No software prefetch: with the four streams it
+  // cost more than it brought. On a 2-core AMD EPYC (Zen 5), 64-slot blocks, eight layers' caches at context
+  // 512, paired in one process, 2 threads, batch 8 / 32 / 128: 33.0 / 35.9 / 28.1 GB/s of KV before, 34.8 /
+  // 37.2 / 27.2 with the four streams and the prefetch (V of the chunk during its K pass, K of the next chunk
+  // during its V pass), 37.4 / 45.0 / 34.7 with the four streams alone; the prefetch had been worth 4-9% on a
+  // 2-core Xeon with AMX and 40% on a Zen 4 host with the strided walk. The V pass in four streams too (same
+  // arithmetic, other order) measured 3-17% slower than one stream per head: it stays.
   template <int M, int NV>
   void run_streaming_fixed() {
     const int64_t nh = heads(), D = g.D;
     const int64_t ch = chunk_slots(g.BS), np = round_up(ch, VS);
     const int64_t kv_end = ctx_start + w.q_end;
-    float* S = sc.s.get();  // [heads][M][np]; a 4-slot group writes all 4 scores: np is a multiple of 4
+    float* S = sc.s.get();  // [heads][M][np]; the K pass writes slots [0, n), the softmax masks the rest
     for (int64_t p0 = 0; p0 < kv_end; p0 += ch) {
       const int64_t n = std::min(ch, kv_end - p0);
       locate(p0, n);
-      for (int64_t s = 0; s < n; s += 4) {
-        const int64_t k = std::min<int64_t>(4, n - s);
-        for (int64_t j = 0; j < k; ++j) prefetch_l2(vc + sc.voff[s + j] + w.head_begin * g.v_h, nh * g.v_h);
+      const int64_t quarter = (n + 3) / 4;
+      for (int64_t s = 0; s < quarter; ++s) {
+        int64_t t[4];  // this step's slot in each quarter; past n (the last quarter's tail): slot n - 1 again
+        for (int j = 0; j < 4; ++j) t[j] = std::min<int64_t>(s + j * quarter, n - 1);
         for (int64_t hh = 0; hh < nh; ++hh) {
           Vec kv[4][NV];
-          for (int j = 0; j < 4; ++j)
-            load_row<NV>(kc + sc.koff[s + std::min<int64_t>(j, k - 1)] + (w.head_begin + hh) * g.k_h, kv[j]);
+          for (int j = 0; j < 4; ++j) load_row<NV>(kc + sc.koff[t[j]] + (w.head_begin + hh) * g.k_h, kv[j]);
           for (int r = 0; r < M; ++r) {
             const float* qr = sc.q.get() + (hh * M + r) * D;
             Vec acc[4];
@@ -286,14 +293,16 @@ struct Item {
               const Vec qv = Vec::loadu(qr + v * VS);
               for (int j = 0; j < 4; ++j) acc[j] = at::vec::fmadd(qv, kv[j][v], acc[j]);
             }
-            hsum4(acc, S + (hh * M + r) * np + s);  // slots past n: overwritten by the softmax's mask
+            float dots[4];
+            hsum4(acc, dots);
+            float* srow = S + (hh * M + r) * np;
+            for (int j = 0; j < 4; ++j) srow[t[j]] = dots[j];  // a repeated slot n - 1 writes its own score
           }
         }
       }
       for (int64_t hh = 0; hh < nh; ++hh)
         softmax_chunk(S + hh * M * np, np, sc.acc.get() + hh * M * D, sc.m.get() + hh * M, sc.l.get() + hh * M,
                       M, D, n, ctx_start + w.q_begin, g.G, p0);
-      const int64_t p1 = p0 + ch, n1 = std::clamp<int64_t>(kv_end - p1, 0, ch);
       for (int64_t hh = 0; hh < nh; ++hh) {
         Vec a[M][NV];
         const float* P[M];
@@ -302,10 +311,6 @@ struct Item {
           for (int v = 0; v < NV; ++v) a[r][v] = Vec::loadu(sc.acc.get() + (hh * M + r) * D + v * VS);
         }
         for (int64_t s = 0; s < n; ++s) {
-          if (hh == 0 && s < n1) {
-            const int64_t blk = table[(p1 + s) / g.BS], slot = (p1 + s) % g.BS;
-            prefetch_l2(kc + blk * g.k_b + slot * g.k_s + w.head_begin * g.k_h, nh * g.k_h);
-          }
           Vec vv[NV];
           load_row<NV>(vc + sc.voff[s] + (w.head_begin + hh) * g.v_h, vv);
           for (int r = 0; r < M; ++r) {

@@ -45,3 +45,17 @@ def test_cpu_step_tokens_replaces_the_budget_on_a_cpu_only() -> None:
     for bad in (0, -1, True, 1.5, "512"):
         with pytest.raises(ValueError, match="WorkerConfig.cpu_step_tokens must be an int >= 1 or None"):
             WorkerConfig(worker_id="c", role="colocated", engine=EngineConfig(), cpu_step_tokens=bad)
+
+
+@pytest.mark.parametrize(("device", "expected"), [("cpu", 64), ("cuda", 16), ("hpu", 128)])
+def test_block_size_defaults_per_device_and_an_explicit_one_wins(device, expected) -> None:
+    from dataclasses import replace
+
+    from engine.config import CacheConfig, block_size_for, resolve_engine_config
+
+    cfg = EngineConfig()
+    assert block_size_for(cfg, device) == expected
+    assert resolve_engine_config(cfg, device, 4096).cache.block_size == expected
+    pinned = replace(cfg, cache=CacheConfig(block_size=32))
+    assert block_size_for(pinned, device) == 32
+    assert resolve_engine_config(pinned, device, 4096).cache.block_size == 32

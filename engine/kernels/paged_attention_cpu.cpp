@@ -260,14 +260,14 @@ struct Item {
   //
   // The K pass reads four forward streams at once: the chunk's slots in four consecutive quarters, one slot of
   // each quarter per step (the four dots one hsum4 finishes), each slot's row of all the item's heads in memory
-  // order. A core's hardware prefetchers follow several forward streams but not the 1 KiB-strided walk of one
-  // head across four adjacent rows that the step took before. No software prefetch: with the four streams it
-  // cost more than it brought. On a 2-core AMD EPYC (Zen 5), 64-slot blocks, eight layers' caches at context
-  // 512, paired in one process, 2 threads, batch 8 / 32 / 128: 33.0 / 35.9 / 28.1 GB/s of KV before, 34.8 /
-  // 37.2 / 27.2 with the four streams and the prefetch (V of the chunk during its K pass, K of the next chunk
-  // during its V pass), 37.4 / 45.0 / 34.7 with the four streams alone; the prefetch had been worth 4-9% on a
-  // 2-core Xeon with AMX and 40% on a Zen 4 host with the strided walk. The V pass in four streams too (same
-  // arithmetic, other order) measured 3-17% slower than one stream per head: it stays.
+  // order. A core's hardware prefetchers follow several forward streams but not the row-strided walk of one head
+  // across four adjacent rows that the step took before (1 KiB strides in `small`). No software prefetch: with
+  // the four streams it cost more than it brought. On a 2-core AMD EPYC (Zen 5), 64-slot blocks, eight layers'
+  // caches at context 512, paired in one process, 2 threads, batch 8 / 32 / 128: 33.0 / 35.9 / 28.1 GB/s of KV
+  // before, 34.8 / 37.2 / 27.2 with the four streams and the prefetch (V of the chunk during its K pass, K of the
+  // next chunk during its V pass), 37.4 / 45.0 / 34.7 with the four streams alone; the prefetch had been worth
+  // 4-9% on a 2-core Xeon with AMX and 40% on a Zen 4 host with the strided walk. The V pass in four streams too
+  // (same arithmetic, other order) measured 5-17% slower than one stream per head: it stays.
   template <int M, int NV>
   void run_streaming_fixed() {
     const int64_t nh = heads(), D = g.D;

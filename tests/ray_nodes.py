@@ -44,13 +44,13 @@ def wait_for_line(server: ServerProcess, text: str, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-def _distinct_free_ports(n: int) -> list[int]:
-    """``n`` free ports, no two alike: the OS may hand a port just released back to the next ask, and Ray refuses
-    a port given to two of its components."""
+def _distinct_free_ports(n: int, taken: tuple[int, ...] = ()) -> list[int]:
+    """``n`` free ports, no two alike and none in ``taken`` (the head's GCS port, asked for earlier): the OS may
+    hand a port just released back to the next ask, and Ray refuses a port given to two of its components."""
     ports: list[int] = []
     while len(ports) < n:
         port = free_port()
-        if port not in ports:
+        if port not in ports and port not in taken:
             ports.append(port)
     return ports
 
@@ -88,7 +88,8 @@ def start_node(
         cmd += ["--address", str(address)]
     if resources:
         cmd += ["--resources", json.dumps(resources)]
-    for flag, value in zip(flags, _distinct_free_ports(len(flags)), strict=True):
+    taken = (head_port,) if head_port is not None else ()
+    for flag, value in zip(flags, _distinct_free_ports(len(flags), taken), strict=True):
         cmd += [flag, str(value)]
     node = ServerProcess(cmd, env, log)
     try:

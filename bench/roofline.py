@@ -351,9 +351,7 @@ def run(args: argparse.Namespace) -> None:
     if cfg.cache.num_blocks is None or cfg.cache.num_blocks < need:
         from dataclasses import replace
 
-        cfg = replace(
-            cfg, cache=replace(cfg.cache, num_blocks=need, block_size=cfg.cache.block_size or block)
-        )
+        cfg = replace(cfg, cache=replace(cfg.cache, num_blocks=need, block_size=block))
     # The machine first, in a quiet process: after the engine's first steps its thread pool may still spin
     # (OpenMP waits actively for a while), which lowered the copy bandwidth read afterwards by a third.
     from engine.config import fit_to_model

@@ -1,10 +1,11 @@
 """``bucketserve bench fused-attention``: decode steps with the attention layers fused against the same engine
 without them, paired step by step; with ``--part stack``, the direct walk through the decoder layers
-(``engine/decoder_stack.py``) against the model's own forward over the same fused layers.
+(``engine/decoder_stack.py``) against the model's own forward over the same fused layers; with ``--part
+native-stack``, that walk in C++ (``bucketserve_cpu::decoder_layers``) against the same walk in Python.
 
 Two engines in one process, one with the part skipped at load (``attention``: transformers' attention forward,
 and so no decoder stack either, which needs the fused layers; ``stack``: the fused layers called through the
-model's forward), one with it, each holding the same batch of sequences at the same context; they step in turn
+model's forward; ``native-stack``: the Python walk), one with it, each holding the same batch of sequences at the same context; they step in turn
 (which one goes first alternates), so both see the same moments of a shared host's noise, and each pair of steps
 gives one ratio. Reported per batch size: both engines' median step times and the median ratio fused / unfused
 with its quartiles. fp32 outputs must be identical token for token (checked).
@@ -28,8 +29,8 @@ def register(sub) -> None:
         "--part",
         choices=sorted(PARTS),
         default="attention",
-        help="what the baseline engine skips: the fused attention layers (and so the decoder stack), or only "
-        "the decoder stack",
+        help="what the baseline engine skips: the fused attention layers (and so the decoder stack), only "
+        "the decoder stack, or only its C++ walk",
     )
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")
     p.add_argument("--context", type=int, default=512, help="context length at the first timed step")
@@ -39,20 +40,27 @@ def register(sub) -> None:
     p.set_defaults(func=run, model="small")
 
 
-# --part: the engine-loading step the baseline skips, and what it returns when skipped.
-PARTS = {"attention": ("fuse_attention_layers", 0), "stack": ("decoder_stack", None)}
+# --part: the engine-loading step the baseline skips (module, function), and what it returns when skipped.
+PARTS = {
+    "attention": ("engine.llm_engine", "fuse_attention_layers", 0),
+    "stack": ("engine.llm_engine", "decoder_stack", None),
+    "native-stack": ("engine.kernels.build", "load_decoder_stack", None),
+}
 
 
 def _engines(cfg, part: str = "attention"):
+    import importlib
+
     import engine.llm_engine as llm_engine
 
-    name, skipped = PARTS[part]
-    step = getattr(llm_engine, name)
-    setattr(llm_engine, name, lambda *args: skipped)
+    module, name, skipped = PARTS[part]
+    owner = importlib.import_module(module)
+    step = getattr(owner, name)
+    setattr(owner, name, lambda *args: skipped)
     try:
         plain = llm_engine.LLMEngine(cfg)
     finally:
-        setattr(llm_engine, name, step)
+        setattr(owner, name, step)
     return plain, llm_engine.LLMEngine(cfg)
 
 
@@ -121,7 +129,11 @@ def run(args: argparse.Namespace) -> int:
         "steps": args.steps,
         "rows": rows,
     }
-    title = {"attention": "Fused attention layers", "stack": "Decoder stack"}[args.part]
+    title = {
+        "attention": "Fused attention layers",
+        "stack": "Decoder stack",
+        "native-stack": "Decoder stack walked in C++",
+    }[args.part]
     publish(
         args.out,
         f"{title}: paired decode steps (fused: with it; unfused: without)",

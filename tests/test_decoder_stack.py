@@ -2,7 +2,9 @@
 engines do not; it computes what the model's own forward computes, bit for bit (fp32 greedy tokens against Hugging
 Face in test_engine_greedy.py run through it; here its hidden states against the model's, and bf16 tokens
 against the engine without it); it reports every layer's write to a streaming hook; a model whose layers compute
-anything else, or whose attention kept its own forward, keeps its forward."""
+anything else, or whose attention kept its own forward, keeps its forward. Where every part runs our kernels the
+walk is in C++ (``bucketserve_cpu::decoder_layers``), returning what the Python walk returns, bit for bit, on
+skinny and oneDNN rows; a step with a streaming hook, or a model with a part on another forward, walks in Python."""
 
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ from engine_helpers import greedy_tokens, needs_onednn_bf16, random_prompts, sma
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
 
 import engine.llm_engine as llm_engine
-from engine.decoder_stack import decoder_stack
+from engine.decoder_stack import _layers, _make_forward, decoder_stack
 from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION
 from engine.forward_context import forward_context
 from engine.fused_attention import fuse_attention_layers
 from engine.kernels import build, cpu_paged_attention
-from engine.linear_prepack import prepack_linears
+from engine.linear_prepack import SKINNY_MAX_M, prepack_linears
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model
 from engine.request import Request, SamplingParams
@@ -42,8 +44,62 @@ def _fused_model(odd_layer: type | None = None, odd_attention: type | None = Non
     return model
 
 
+def _decoding_and_fresh(
+    engine: LLMEngine, lengths: list[int], fresh_len: int
+) -> tuple[list[Request], Request]:
+    """Prompts of ``lengths`` prefilled and ready to decode, and a fresh prompt of ``fresh_len`` with its blocks."""
+    first = [Request(f"p{i}", p, SamplingParams(max_tokens=8)) for i, p in enumerate(random_prompts(lengths))]
+    engine.allocate_prompts(first)
+    engine.runner.prefill(first)
+    for r in first:
+        r.num_computed_tokens = r.num_tokens
+        r.output_token_ids.append(5)
+    fresh = Request("f", random_prompts([fresh_len], seed=1)[0], SamplingParams(max_tokens=4))
+    engine.allocate_prompts([fresh])
+    return first, fresh
+
+
 def test_the_flat_eager_engine_runs_the_stack(kernels) -> None:
     assert LLMEngine(small_config(shape_policy="flat")).runner._stack is not None
+
+
+def test_the_flat_eager_engine_walks_the_layers_in_cpp(kernels) -> None:
+    assert build.load_decoder_stack() is not None, "the decoder stack kernel did not build"
+    assert LLMEngine(small_config(shape_policy="flat")).runner._stack.native
+
+
+def test_a_mixed_step_walked_in_cpp_equals_the_python_walk_and_the_models_forward(kernels) -> None:
+    engine = LLMEngine(small_config(shape_policy="flat"))
+    runner = engine.runner
+    assert runner._stack.native
+    body = runner.model.model
+    python_walk = _make_forward(body, _layers(body))
+    assert not python_walk.native
+    # Two decodes (skinny rows), then with a fresh prompt long enough that the linears run on oneDNN.
+    fresh_len = SKINNY_MAX_M + 6
+    first, fresh = _decoding_and_fresh(engine, [9, 23], fresh_len)
+    for items in ([(r, 1) for r in first], [(first[0], 1), (fresh, fresh_len), (first[1], 1)]):
+        batch = runner.prepare(items)
+        with torch.inference_mode(), forward_context(batch.ctx):
+            native = runner._stack(batch.input_ids, batch.positions)
+            python = python_walk(batch.input_ids, batch.positions)
+            model = body(input_ids=batch.input_ids[None], position_ids=batch.positions[None], use_cache=False)
+        assert native.shape == (sum(n for _, n in items), runner.model.config.hidden_size)
+        assert torch.equal(native, python)
+        assert torch.equal(native, model.last_hidden_state[0])
+
+
+def test_a_model_with_a_part_on_another_forward_walks_in_python(kernels) -> None:
+    # The norms and MLPs of this model keep transformers' forwards: the C++ walk would not call what they do.
+    stack = decoder_stack(_fused_model(), cpu_paged_attention())
+    assert stack is not None and not stack.native
+
+
+def test_without_our_attention_operator_the_walk_is_in_python(kernels) -> None:
+    engine = LLMEngine(small_config(shape_policy="flat"))
+    body = engine.runner.model.model
+    assert _make_forward(body, _layers(body), cpu_paged_attention()).native
+    assert not _make_forward(body, _layers(body), lambda *args: None).native
 
 
 def test_a_compiled_engine_runs_the_models_forward(kernels) -> None:
@@ -55,14 +111,7 @@ def test_a_mixed_step_through_the_stack_equals_the_models_forward_and_reports_ev
     engine = LLMEngine(small_config(shape_policy="flat"))
     runner = engine.runner
     # Two prompts prefilled, then a step of one decode and a fresh 30-token prompt.
-    first = [Request(f"p{i}", p, SamplingParams(max_tokens=8)) for i, p in enumerate(random_prompts([7, 19]))]
-    engine.allocate_prompts(first)
-    runner.prefill(first)
-    for r in first:
-        r.num_computed_tokens = r.num_tokens
-        r.output_token_ids.append(5)
-    fresh = Request("f", random_prompts([30], seed=1)[0], SamplingParams(max_tokens=4))
-    engine.allocate_prompts([fresh])
+    first, fresh = _decoding_and_fresh(engine, [7, 19], 30)
     batch = runner.prepare([(first[0], 1), (fresh, 30)])
     written: list[int] = []
     batch.ctx.on_layer_written = written.append
@@ -114,7 +163,10 @@ def test_a_model_that_computes_something_else_keeps_its_forward(kernels, odd) ->
     assert decoder_stack(_fused_model(**odd), cpu_paged_attention()) is None
 
 
-def test_the_paired_benchmark_times_the_stack_against_the_models_forward(kernels, tmp_path, capsys) -> None:
+@pytest.mark.parametrize("part", ["stack", "native-stack"])
+def test_the_paired_benchmark_times_the_stack_against_the_models_forward(
+    kernels, tmp_path, capsys, part
+) -> None:
     import json
 
     from gateway.cli import main
@@ -124,7 +176,7 @@ def test_the_paired_benchmark_times_the_stack_against_the_models_forward(kernels
         "bench",
         "fused-attention",
         "--part",
-        "stack",
+        part,
         "--model",
         "tiny",
         "--skip-warmup",
@@ -133,7 +185,7 @@ def test_the_paired_benchmark_times_the_stack_against_the_models_forward(kernels
     ]
     assert main(args + ["--context", "20", "--steps", "4", "--json", "--out", str(out)]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["part"] == "stack"
+    assert result["part"] == part
     [row] = result["rows"]
     assert row["batch"] == 2 and row["identical_tokens"] and row["fused_ms"] > 0 and row["unfused_ms"] > 0
     assert "Decoder stack" in (tmp_path / "stack.md").read_text()

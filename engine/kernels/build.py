@@ -5,7 +5,8 @@ covering the source, the headers beside it, the torch version, the compiler flag
 detected, so a cache folder shared between machines or torch upgrades never loads a stale or foreign binary.
 Loading is once per process; each library registers its operator under ``torch.ops.bucketserve_cpu``:
 ``paged_attention`` (``paged_attention_cpu.cpp``), ``skinny_linear`` (``skinny_linear_cpu.cpp``), ``rms_norm``
-(``rms_norm_cpu.cpp``) and ``rope_write_kv`` (``rotary_cpu.cpp``).
+(``rms_norm_cpu.cpp``), ``rope_write_kv`` (``rotary_cpu.cpp``) and ``decoder_layers`` (``decoder_stack_cpu.cpp``,
+which calls the other four).
 
 ``python -m engine.kernels.build`` prebuilds them (``make install`` does), so a server start only loads.
 """
@@ -36,6 +37,7 @@ SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
 SKINNY_LINEAR_SOURCE = Path(__file__).with_name("skinny_linear_cpu.cpp")
 RMS_NORM_SOURCE = Path(__file__).with_name("rms_norm_cpu.cpp")
 ROTARY_SOURCE = Path(__file__).with_name("rotary_cpu.cpp")
+DECODER_STACK_SOURCE = Path(__file__).with_name("decoder_stack_cpu.cpp")
 OP_NAMESPACE = "bucketserve_cpu"
 
 # Vector ISA flags per capability torch itself detected on this CPU (what its own kernels dispatch to),
@@ -112,12 +114,19 @@ def load_rotary() -> Callable[..., Any] | None:
     return load(ROTARY_SOURCE, "rope_write_kv")
 
 
+def load_decoder_stack() -> Callable[..., Any] | None:
+    """``decoder_layers(hidden, cos, sin, kv_data, ..., tensors, ints, floats, max_rows)``, or None: the decoder
+    stack then walks the layers in Python."""
+    return load(DECODER_STACK_SOURCE, "decoder_layers")
+
+
 # Every kernel: (source, the operator its library registers).
 KERNELS = (
     (SOURCE, "paged_attention"),
     (SKINNY_LINEAR_SOURCE, "skinny_linear"),
     (RMS_NORM_SOURCE, "rms_norm"),
     (ROTARY_SOURCE, "rope_write_kv"),
+    (DECODER_STACK_SOURCE, "decoder_layers"),
 )
 
 

@@ -5,10 +5,11 @@ native-stack``, that walk in C++ (``bucketserve_cpu::decoder_layers``) against t
 
 Two engines in one process, one with the part skipped at load (``attention``: transformers' attention forward,
 and so no decoder stack either, which needs the fused layers; ``stack``: the fused layers called through the
-model's forward; ``native-stack``: the Python walk), one with it, each holding the same batch of sequences at the same context; they step in turn
-(which one goes first alternates), so both see the same moments of a shared host's noise, and each pair of steps
-gives one ratio. Reported per batch size: both engines' median step times and the median ratio fused / unfused
-with its quartiles. fp32 outputs must be identical token for token (checked).
+model's forward; ``native-stack``: the Python walk), one with it, each holding the same batch of sequences at the
+same context; they step in turn (which one goes first alternates), so both see the same moments of a shared
+host's noise, and each pair of steps gives one ratio. Reported per batch size: both engines' median step times
+and the median ratio fused / unfused with its quartiles. fp32 outputs must be identical token for token
+(checked).
 """
 
 from __future__ import annotations

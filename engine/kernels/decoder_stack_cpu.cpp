@@ -3,7 +3,7 @@
 //
 //   bucketserve_cpu::decoder_layers(h[T,hidden], cos[T,D], sin[T,D], kv_data[L,2,NB+1,BS,KVH,D],
 //                                   slot_mapping[T], block_table[B,W], seq_lens[B], query_start_loc[B+1],
-//                                   Tensor?[] weights, int[] ints, float[] floats, int max_rows) -> h[T,hidden]
+//                                   Tensor?[] tensors, int[] ints, float[] floats, int max_rows) -> h[T,hidden]
 //
 // Per layer:  h += o_proj(paged_attention(rope_write_kv(qkv(rms_norm(h)))));  h += down(gated(rms_norm(h))).
 // Why: once every part of a layer is one fused operator, what is left of an eager step on a few rows is the
@@ -40,7 +40,8 @@ constexpr int64_t kLayerTensors = 9, kLayerInts = 11, kLayerFloats = 3;
 using RmsNorm = Tensor(const Tensor&, const Tensor&, double);
 using PackedLinear = Tensor(const Tensor&, const OptTensor&, const OptTensor&, int64_t, int64_t, int64_t);
 using GatedLinear = Tensor(const Tensor&, const Tensor&, int64_t, int64_t, int64_t, int64_t);
-using RopeWriteKv = Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor, Tensor, const Tensor&, int64_t, int64_t);
+using RopeWriteKv =
+    Tensor(const Tensor&, const Tensor&, const Tensor&, Tensor, Tensor, const Tensor&, int64_t, int64_t);
 using PagedAttention = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                             const Tensor&, double);
 

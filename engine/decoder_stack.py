@@ -135,25 +135,31 @@ def _make_forward(
 
 
 @torch.inference_mode()
-def _agrees(model: torch.nn.Module, stack: StackForward, attend: AttendFn, attn: torch.nn.Module) -> bool:
+def _agreeing(
+    model: torch.nn.Module, stacks: list[StackForward], attend: AttendFn, attn: torch.nn.Module
+) -> list[bool]:
+    """For each of ``stacks``, whether it returns the model's own forward bit for bit on one probe prompt (the
+    model's forward runs once)."""
     body = model.model
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (_PROBE_TOKENS,), generator=gen)
     positions = torch.arange(_PROBE_TOKENS)
     layers = len(body.layers)
-    outs = []
-    for run in (
-        lambda: body(input_ids=ids[None], position_ids=positions[None], use_cache=False).last_hidden_state[0],
-        lambda: stack(ids, positions),
-    ):
+
+    def probe(run) -> torch.Tensor | None:
         with forward_context(probe_context(attn, _PROBE_TOKENS, attend, layers)):
             try:
-                outs.append(run())
+                return run()
             # A model this walk cannot stand in for may fail on it: it keeps its forward.
             except Exception as e:
                 logger.debug("decoder stack probe failed (%s)", e)
-                return False
-    return torch.equal(outs[0], outs[1])
+                return None
+
+    want = probe(
+        lambda: body(input_ids=ids[None], position_ids=positions[None], use_cache=False).last_hidden_state[0]
+    )
+    outs = [probe(lambda stack=stack: stack(ids, positions)) for stack in stacks]
+    return [want is not None and got is not None and torch.equal(want, got) for got in outs]
 
 
 def decoder_stack(model: torch.nn.Module, attend: AttendFn) -> StackForward | None:
@@ -166,11 +172,13 @@ def decoder_stack(model: torch.nn.Module, attend: AttendFn) -> StackForward | No
     if layers is None:
         return None
     stack = _make_forward(body, layers)
-    if not _agrees(model, stack, attend, layers[0][1]):
+    native = _make_forward(body, layers, attend)
+    candidates = [stack, native] if native.native else [stack]
+    agree = _agreeing(model, candidates, attend, layers[0][1])
+    if not agree[0]:
         logger.info("decoder stack: the probe differs from the model's own forward; the model keeps it")
         return None
-    native = _make_forward(body, layers, attend)
-    if native.native and _agrees(model, native, attend, layers[0][1]):
+    if native.native and agree[1]:
         logger.info("decoder stack: %d layers called directly, walked in C++", len(layers))
         return native
     if native.native:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import logging
 import threading
 import time
@@ -114,7 +115,7 @@ class _Outbound:
     metrics: TransferMetrics
     t0: float
     reserve_tokens: int = 0
-    attempt: int = 0
+    attempt: int = 0  # attempts of this send so far (1 once the first handshake is made)
     session: SenderSession | None = None
     sent_layers: set[int] = field(default_factory=set)
     # A retryable verdict seen mid-stream: stop sending this attempt, retry at finish().
@@ -167,6 +168,11 @@ class KVTransport(ABC):
         self._totals = {"transfers_ok": 0, "transfers_failed": 0, "bytes_sent": 0, "retries": 0}
         self._closed = threading.Event()
         self._reaper: threading.Thread | None = None
+        # The attempt number a handshake carries: unique and increasing over every send of this transport, not
+        # counted from 1 per send. A new send of a request id an earlier send gave up (aborted, then retried on the
+        # same peer) must not share a number with it: the earlier send's cancelled streams can reach the receiver
+        # after the new handshake, and the receiver tells a stale stream from the live one by this number.
+        self._wire_attempts = itertools.count(1)
         self.address: str | None = None
 
     # -- backend hooks ----------------------------------------------------------------------------
@@ -267,7 +273,7 @@ class KVTransport(ABC):
             num_tokens=out.num_tokens,
             first_token=out.first_token,
             num_chunks=len(out.plans),
-            attempt=out.attempt,
+            attempt=self._next_wire_attempt(),
             num_streams=self.config.num_streams,
             reserve_tokens=out.reserve_tokens,
         )
@@ -276,6 +282,10 @@ class KVTransport(ABC):
             raise KVTransferError(result.status, result.detail, out.request_id)
         out.session = session
         out.metrics.backend = session.path or self.name
+
+    def _next_wire_attempt(self) -> int:
+        # The wire field is a uint32; wrapping after 4e9 handshakes only weakens the stale-stream check.
+        return (next(self._wire_attempts) - 1) % 0xFFFFFFFF + 1
 
     def _busy(self, out: _Outbound, fn):
         lease = self.leases.get(out.request_id)

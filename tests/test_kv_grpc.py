@@ -246,3 +246,31 @@ def test_a_broken_stream_of_an_earlier_attempt_leaves_the_retry_alone(end: str) 
     finally:
         tx.close()
         rx.close()
+
+
+def test_a_new_send_of_an_aborted_request_is_not_ended_by_the_old_sends_late_stream() -> None:
+    # A send aborted to be retried, then sent again to the same peer under the same request id: the aborted
+    # send's cancelled streams can reach the receiver after the new handshake. Both sends used to carry attempt
+    # 1, so the receiver took the late "stream broken" for the new send's and ended it.
+    rx = LocalEndpoint("grpc", SPEC, 64, TransferConfig(**BASE))
+    cache, alloc, tx = _sender(num_streams=2, same_node_fast_path=False)
+    try:
+        tx.begin_send(rx.address, "again", alloc.allocate(3), 12, first_token=1)
+        old = tx._outbound["again"].session
+        late_cancel = old.cancel
+        old.cancel = lambda: None  # the old streams end on the receiver only later, below
+        assert tx.abort("again", "retry elsewhere")
+        with pytest.raises(KVTransferError):
+            tx.finish("again")
+        ids = alloc.allocate(3)
+        want = gather_tokens(cache, ids, 12).clone()
+        tx.begin_send(rx.address, "again", ids, 12, first_token=1)
+        late_cancel()
+        time.sleep(0.5)  # give the receiver time to see the old streams break
+        tx.finish("again")
+        got = rx.receive(5)
+        assert got is not None and torch.equal(got["data"], want)
+        assert alloc.num_used == 0 and rx.stats()["used_blocks"] == 0
+    finally:
+        tx.close()
+        rx.close()

@@ -267,7 +267,8 @@ struct Item {
   // before, 34.8 / 37.2 / 27.2 with the four streams and the prefetch (V of the chunk during its K pass, K of the
   // next chunk during its V pass), 37.4 / 45.0 / 34.7 with the four streams alone; the prefetch had been worth
   // 4-9% on a 2-core Xeon with AMX and 40% on a Zen 4 host with the strided walk. The V pass in four streams too
-  // (same arithmetic, other order) measured 5-17% slower than one stream per head: it stays.
+  // (same arithmetic, other order) measured 5-17% slower than one stream per head there; an item of more heads
+  // than one sweep holds in registers now takes its V pass in memory order, through scratch (see the V pass).
   template <int M, int NV>
   void run_streaming_fixed() {
     const int64_t nh = heads(), D = g.D;
@@ -303,6 +304,28 @@ struct Item {
       for (int64_t hh = 0; hh < nh; ++hh)
         softmax_chunk(S + hh * M * np, np, sc.acc.get() + hh * M * D, sc.m.get() + hh * M, sc.l.get() + hh * M,
                       M, D, n, ctx_start + w.q_begin, g.G, p0);
+      if (nh * M * NV > 16) {
+        // More heads than one sweep can hold in registers: the V pass walks the chunk in memory order too, each
+        // slot's row of all the item's heads, accumulating in the (L1-resident) scratch. Per head, in registers
+        // (below), it walked each row in 256-byte pieces at 1 KiB strides, one head after another: on a 2-core
+        // AMD EPYC (Zen 4), eight layers' caches at context 512, paired in one process, batch 4 / 8 / 32 / 128
+        // on 2 threads 0.82 / 0.80 / 0.82 / 0.85 of the per-head time (23-25 GB/s of KV, what a bare sum reads
+        // there), 0.74-0.81 on one; one or two sequences (one or two heads per item) keep the per-head walk,
+        // whose registers win when the cache is warm (batch 1: 1.19x slower in scratch).
+        for (int64_t s = 0; s < n; ++s) {
+          const KT* vrow = vc + sc.voff[s] + w.head_begin * g.v_h;
+          for (int64_t hh = 0; hh < nh; ++hh) {
+            Vec vv[NV];
+            load_row<NV>(vrow + hh * g.v_h, vv);
+            for (int r = 0; r < M; ++r) {
+              const Vec p(S[(hh * M + r) * np + s]);
+              float* arow = sc.acc.get() + (hh * M + r) * D;
+              for (int v = 0; v < NV; ++v) at::vec::fmadd(p, vv[v], Vec::loadu(arow + v * VS)).store(arow + v * VS);
+            }
+          }
+        }
+        continue;
+      }
       for (int64_t hh = 0; hh < nh; ++hh) {
         Vec a[M][NV];
         const float* P[M];

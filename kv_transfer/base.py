@@ -171,7 +171,10 @@ class KVTransport(ABC):
         # The attempt number a handshake carries: unique and increasing over every send of this transport, not
         # counted from 1 per send. A new send of a request id an earlier send gave up (aborted, then retried on the
         # same peer) must not share a number with it: the earlier send's cancelled streams can reach the receiver
-        # after the new handshake, and the receiver tells a stale stream from the live one by this number.
+        # after the new handshake, and the receiver tells a stale stream from the live one by this number. Numbers of
+        # two senders are unrelated: another sender's handshake for a request in flight on a receiver replaces that
+        # transfer when its number is higher and is refused (DUPLICATE) when not; one request has one sender at a
+        # time, so this only decides who goes on after a sender was given up.
         self._wire_attempts = itertools.count(1)
         self.address: str | None = None
 

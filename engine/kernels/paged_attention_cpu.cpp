@@ -324,25 +324,26 @@ struct Item {
             }
           }
         }
-        continue;
-      }
-      for (int64_t hh = 0; hh < nh; ++hh) {
-        Vec a[M][NV];
-        const float* P[M];
-        for (int r = 0; r < M; ++r) {
-          P[r] = S + (hh * M + r) * np;
-          for (int v = 0; v < NV; ++v) a[r][v] = Vec::loadu(sc.acc.get() + (hh * M + r) * D + v * VS);
-        }
-        for (int64_t s = 0; s < n; ++s) {
-          Vec vv[NV];
-          load_row<NV>(vc + sc.voff[s] + (w.head_begin + hh) * g.v_h, vv);
+      } else {
+        // Per head, the accumulators in registers over the whole chunk.
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          Vec a[M][NV];
+          const float* P[M];
           for (int r = 0; r < M; ++r) {
-            const Vec p(P[r][s]);
-            for (int v = 0; v < NV; ++v) a[r][v] = at::vec::fmadd(p, vv[v], a[r][v]);
+            P[r] = S + (hh * M + r) * np;
+            for (int v = 0; v < NV; ++v) a[r][v] = Vec::loadu(sc.acc.get() + (hh * M + r) * D + v * VS);
           }
+          for (int64_t s = 0; s < n; ++s) {
+            Vec vv[NV];
+            load_row<NV>(vc + sc.voff[s] + (w.head_begin + hh) * g.v_h, vv);
+            for (int r = 0; r < M; ++r) {
+              const Vec p(P[r][s]);
+              for (int v = 0; v < NV; ++v) a[r][v] = at::vec::fmadd(p, vv[v], a[r][v]);
+            }
+          }
+          for (int r = 0; r < M; ++r)
+            for (int v = 0; v < NV; ++v) a[r][v].store(sc.acc.get() + (hh * M + r) * D + v * VS);
         }
-        for (int r = 0; r < M; ++r)
-          for (int v = 0; v < NV; ++v) a[r][v].store(sc.acc.get() + (hh * M + r) * D + v * VS);
       }
     }
   }

@@ -305,23 +305,37 @@ struct Item {
         softmax_chunk(S + hh * M * np, np, sc.acc.get() + hh * M * D, sc.m.get() + hh * M, sc.l.get() + hh * M,
                       M, D, n, ctx_start + w.q_begin, g.G, p0);
       if (nh * M * NV > 16) {
-        // More heads than one sweep can hold in registers: the V pass walks the chunk in memory order too, each
-        // slot's row of all the item's heads, accumulating in the (L1-resident) scratch. Per head, in registers
-        // (below), it walked each row in 256-byte pieces at 1 KiB strides, one head after another: on a 2-core
-        // AMD EPYC (Zen 4), eight layers' caches at context 512, paired in one process, batch 4 / 8 / 32 / 128
-        // on 2 threads 0.82 / 0.80 / 0.82 / 0.85 of the per-head time (23-25 GB/s of KV, what a bare sum reads
-        // there), 0.74-0.81 on one; one or two sequences (one or two heads per item) keep the per-head walk,
-        // whose registers win when the cache is warm (batch 1: 1.19x slower in scratch).
-        for (int64_t s = 0; s < n; ++s) {
-          const KT* vrow = vc + sc.voff[s] + w.head_begin * g.v_h;
+        // More heads than one sweep can hold in registers: the V pass walks the chunk as two forward streams, its
+        // two halves, one slot of each per step, each slot's row of all the item's heads in memory order; per head,
+        // the two slots' contributions go into registers between one load and one store of the (L1-resident)
+        // accumulator. Per head over the whole chunk (below), it walked each row in 256-byte pieces at 1 KiB
+        // strides, one head after another: in memory order, one slot per step through the accumulator in scratch,
+        // it took 0.80-0.85 of that time at batch 4-128 on a 2-core AMD EPYC (Zen 4, eight layers' caches at
+        // context 512, paired in one process). On a 2-core Zen 5 EPYC the same pairing then measured the two
+        // streams at 0.88-0.94 of the one-slot memory-order walk on 2 threads (batch 4-128) and 0.78-0.92 on one,
+        // where one stream with four slots a step in registers lost (1.13 at batch 32: four 1 KiB strides per
+        // head), and four or eight streams gained less (0.93-0.99). One or two sequences (one or two heads per
+        // item) keep the per-head walk, whose registers win when the cache is warm (batch 1: 1.19x slower in
+        // scratch on Zen 4). A slot past the chunk's end (its odd length) is read again at weight zero.
+        const int64_t half = (n + 1) / 2;
+        for (int64_t s = 0; s < half; ++s) {
+          const int64_t t[2] = {s, std::min<int64_t>(s + half, n - 1)};
+          const float live[2] = {1.f, s + half < n ? 1.f : 0.f};
           for (int64_t hh = 0; hh < nh; ++hh) {
-            Vec vv[NV];
-            load_row<NV>(vrow + hh * g.v_h, vv);
-            for (int r = 0; r < M; ++r) {
-              const Vec p(S[(hh * M + r) * np + s]);
-              float* arow = sc.acc.get() + (hh * M + r) * D;
-              for (int v = 0; v < NV; ++v) at::vec::fmadd(p, vv[v], Vec::loadu(arow + v * VS)).store(arow + v * VS);
+            float* acc = sc.acc.get() + hh * M * D;
+            Vec a[M][NV];
+            for (int r = 0; r < M; ++r)
+              for (int v = 0; v < NV; ++v) a[r][v] = Vec::loadu(acc + r * D + v * VS);
+            for (int j = 0; j < 2; ++j) {
+              Vec vv[NV];
+              load_row<NV>(vc + sc.voff[t[j]] + (w.head_begin + hh) * g.v_h, vv);
+              for (int r = 0; r < M; ++r) {
+                const Vec p(S[(hh * M + r) * np + t[j]] * live[j]);
+                for (int v = 0; v < NV; ++v) a[r][v] = at::vec::fmadd(p, vv[v], a[r][v]);
+              }
             }
+            for (int r = 0; r < M; ++r)
+              for (int v = 0; v < NV; ++v) a[r][v].store(acc + r * D + v * VS);
           }
         }
       } else {

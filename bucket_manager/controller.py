@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from bucket_manager.autoscale import ROLES, ScalingConfig, ScalingState, idle, pressure
+from bucket_manager.dispatch_socket import DispatchChannel, encode_batch
 from bucket_manager.dispatcher import SCHEDULING, Dispatcher, DispatcherConfig, check_planning_config
 from bucket_manager.lending import LendingPolicy
 from bucket_manager.priority import PriorityPolicy
@@ -30,6 +31,10 @@ from bucket_manager.shape_buckets import ShapeBucketConfig
 __all__ = ["SCHEDULING", "Controller", "ControllerConfig"]
 
 logger = logging.getLogger(__name__)
+
+# How long after a failed attempt a prefill worker is asked again for its dispatch socket (Ray carries its batches
+# meanwhile).
+CHANNEL_RETRY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,11 @@ class Controller:
         self.dispatcher = Dispatcher(config.dispatcher_config(), on_buckets=self._publish_buckets)
         self._worker_cores = dict(config.worker_cores)
         self.handles: dict[str, Any] = {}  # worker id -> actor handle
+        # Prefill workers on this node take their batches over a socket (bucket_manager/dispatch_socket.py): the
+        # open channels, the opens under way, and when a worker whose channel failed may be asked again.
+        self._channels: dict[str, DispatchChannel] = {}
+        self._opening: set[str] = set()
+        self._channel_retry_at: dict[str, float] = {}
         # The monitor's figures: when they were last asked for and last received, the read in flight (one at a
         # time, so a slow monitor never gets a backlog of reads), and whether they are known to be stale.
         self._stats_asked = 0.0
@@ -208,6 +218,9 @@ class Controller:
         if self.config.monitor_name is not None and self._monitor is None:
             with contextlib.suppress(ValueError):
                 self._monitor = ray.get_actor(self.config.monitor_name, namespace=self.config.namespace)
+        for worker_id in prefill:
+            self._close_channel(worker_id)
+            self._dispatch_channel(worker_id)
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -411,6 +424,8 @@ class Controller:
         except ValueError:
             handle = self.handles.get(worker_id)
         self.handles[worker_id] = handle
+        if worker_id in self.dispatcher.prefill:
+            self._close_channel(worker_id)  # the old process's socket went with it
         # The addresses first, then the ledger: nothing is planned for it before its KV can go where it should.
         await self._share_decode_peers(back=worker_id)
         d.revive(worker_id, kv_blocks)
@@ -643,6 +658,7 @@ class Controller:
     def _retire(self, worker_id: str, now: float) -> None:
         self.dispatcher.remove_worker(worker_id)
         self.handles.pop(worker_id, None)
+        self._close_channel(worker_id)
         self._retired.add(worker_id)
         event = self._scaling.removed(worker_id, now)  # type: ignore[union-attr]
         logger.warning(
@@ -702,12 +718,55 @@ class Controller:
                 continue
             items = [(payload, batch.decode_id) for payload in batch.payloads]
             cores = tuple(sorted({c for did in batch.borrowed for c in self._worker_cores.get(did, ())}))
-            self.handles[batch.prefill_id].enqueue.remote(batch.batch_id, items, time.time(), cores)
+            args = (batch.batch_id, items, time.time(), cores)
+            channel = self._dispatch_channel(batch.prefill_id)
+            frame = encode_batch(args) if channel is not None else None
+            if frame is None or not channel.send(frame):  # type: ignore[union-attr]
+                self.handles[batch.prefill_id].enqueue.remote(*args)
             # After the batch is on its way: the monitor is not on the prompt's path.
             if batch.borrowed and self._monitor is not None:
                 with contextlib.suppress(Exception):
                     for did in batch.borrowed:
                         self._monitor.record_core_lend.remote(did)
+
+    # ------------------------------------------------------------------ dispatch sockets
+    def _dispatch_channel(self, worker_id: str) -> DispatchChannel | None:
+        """The open socket to prefill worker ``worker_id``, or None (the batch goes by Ray): then one is asked for
+        in the background, unless an open is under way or the last one failed less than a retry period ago."""
+        channel = self._channels.get(worker_id)
+        if channel is not None and channel.open:
+            return channel
+        if worker_id not in self._opening and time.monotonic() >= self._channel_retry_at.get(worker_id, 0.0):
+            self._opening.add(worker_id)
+            asyncio.get_running_loop().create_task(self._open_channel(worker_id))
+        return None
+
+    async def _open_channel(self, worker_id: str) -> None:
+        try:
+            handle = self.handles.get(worker_id)
+            if handle is None:
+                return
+            node, path = await asyncio.wait_for(
+                handle.dispatch_channel.remote(), self.config.recover_timeout_s
+            )
+            here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+            if not node or node != here:
+                # Another node: Ray is the way there, for good.
+                self._channel_retry_at[worker_id] = float("inf")
+                return
+            self._channels[worker_id] = DispatchChannel(path)
+            logger.info("batches for %s go over its dispatch socket", worker_id)
+        except Exception as e:  # not answering (restarting, gone): Ray carries its batches meanwhile
+            logger.info("no dispatch socket to %s yet: %s", worker_id, e)
+            self._channel_retry_at[worker_id] = time.monotonic() + CHANNEL_RETRY_S
+        finally:
+            self._opening.discard(worker_id)
+
+    def _close_channel(self, worker_id: str) -> None:
+        channel = self._channels.pop(worker_id, None)
+        if channel is not None:
+            channel.close()
+        self._channel_retry_at.pop(worker_id, None)
 
     def _publish_buckets(self, queue: RequestBuckets) -> None:
         bounds = queue.bounds()

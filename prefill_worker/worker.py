@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
+from bucket_manager.dispatch_socket import DispatchListener
 from bucket_manager.request import RequestSummary
 from engine.request import FinishReason, Request, RequestOutput
 from kv_transfer import KVTransferError, TransferStatus
@@ -70,6 +71,8 @@ class PrefillWorker(EngineWorker):
         self._tombstones: dict[str, float] = {}
         self._senders = ThreadPoolExecutor(config.num_senders, thread_name_prefix="kv-send")
         self._monitor = self.heartbeat.monitor
+        # The controller on this node hands batches over this socket rather than by Ray (faster by 1-2 ms).
+        self.dispatch_socket = DispatchListener(self.enqueue, config.worker_id)
         self._start(self._loop)
 
     # ------------------------------------------------------------------ remote API
@@ -80,6 +83,11 @@ class PrefillWorker(EngineWorker):
         if new:
             # Off the caller's thread: connecting is best effort, and the controller waits on this call.
             threading.Thread(target=self._prepare, args=(new,), name="kv-prepare", daemon=True).start()
+
+    def dispatch_channel(self) -> tuple[str, str]:
+        """``(node id, path)`` of this worker's dispatch socket: a controller on the same node sends batches there."""
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        return node, self.dispatch_socket.path
 
     def _prepare(self, addresses: list[str]) -> None:
         for address in addresses:
@@ -126,12 +134,14 @@ class PrefillWorker(EngineWorker):
             "queued_batches": queued,
             "in_progress": self._in_progress,
             "streamed_transfers": self._streamed,
+            "batches_by_socket": self.dispatch_socket.batches,
             "core_shared_batches": self._core_shared,
             "kv_layer_streaming": self._stream_layers,
             "transport": self.transport.stats(),
         }
 
     def shutdown(self) -> None:
+        self.dispatch_socket.close()
         self._close()
         with self._cond:
             self._cond.notify_all()

@@ -30,7 +30,8 @@ PROTO_USERS = {"bench", "kv_transfer"}
 PACKAGES = {p for layer in LAYERS for p in layer} | {"monitor", "proto"}
 # Policy code works on ints and lists: no tensors, no actors, no I/O (the controller actor shell aside).
 PURE = {"bucket_manager"}
-PURE_EXEMPT = {"bucket_manager.controller"}
+# The controller actor shell and its socket to the prefill workers (which import it from below: the wire is one).
+PURE_EXEMPT = {"bucket_manager.controller", "bucket_manager.dispatch_socket"}
 IMPURE = {"torch", "ray", "numpy", "grpc", "redis", "httpx", "asyncio", "socket", "subprocess"}
 
 

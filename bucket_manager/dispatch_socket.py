@@ -15,7 +15,7 @@ re-plans them from its ledger as before.
 
 Wire format, controller -> worker only: per batch a 4-byte big-endian length and the pickled tuple
 ``(batch_id, items, dispatched_at, borrow_cores)``, the arguments of ``enqueue``. On Linux the socket has an
-abstract name (nothing left on disk) and a connection from another user is refused, as the output socket does.
+abstract name (nothing left on disk) and a connection from another user is refused (``local_socket.py``).
 """
 
 from __future__ import annotations
@@ -23,17 +23,13 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
 import pickle
-import shutil
 import socket
-import struct
-import sys
-import tempfile
 import threading
-import uuid
 from collections.abc import Callable
 from typing import Any
+
+from bucket_manager.local_socket import LocalListener
 
 logger = logging.getLogger(__name__)
 
@@ -112,13 +108,6 @@ class DispatchChannel:
             self._sock = None
 
 
-def _peer_uid(conn: socket.socket) -> int | None:
-    if not hasattr(socket, "SO_PEERCRED"):
-        return None
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
-
-
 def _recv_exactly(conn: socket.socket, n: int) -> bytes | None:
     """``n`` bytes, or None at the end of the stream (also in the middle: that frame is dropped)."""
     parts, left = [], n
@@ -138,45 +127,22 @@ class DispatchListener:
     def __init__(self, run: Callable[..., None], name: str = "worker") -> None:
         self._run = run
         self._name = name
-        self._dir: str | None = None
-        if sys.platform == "linux":
-            self.path = f"\0bucketserve-dispatch-{uuid.uuid4().hex}"
-        else:
-            self._dir = tempfile.mkdtemp(prefix="bucketserve-dispatch-")
-            self.path = os.path.join(self._dir, "dispatch.sock")
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.path)
-        self._listener.listen(4)
-        self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self.batches = 0  # run from this socket
-        self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-dispatch", daemon=True)
-        self._thread.start()
+        self._listener = LocalListener("dispatch", self._reader, f"{name}-dispatch")
+        self.path = self._listener.path
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                if self._closed.is_set():
-                    return
-                logger.exception("dispatch socket: accept failed")
-                continue
-            uid = _peer_uid(conn)
-            if uid is not None and uid != os.getuid():
-                logger.warning("dispatch socket: refused a connection of user %d", uid)
-                conn.close()
-                continue
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(
-                target=self._read_loop, args=(conn,), name=f"{self._name}-dispatch-read", daemon=True
-            ).start()
+    def _reader(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._conns.add(conn)
+        threading.Thread(
+            target=self._read_loop, args=(conn,), name=f"{self._name}-dispatch-read", daemon=True
+        ).start()
 
     def _read_loop(self, conn: socket.socket) -> None:
         try:
-            while not self._closed.is_set():
+            while not self._listener.closed:
                 head = _recv_exactly(conn, 4)
                 if head is None:
                     return
@@ -202,17 +168,9 @@ class DispatchListener:
                 conn.close()
 
     def close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
         self._listener.close()
         with self._lock:
             conns = list(self._conns)
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-        self._thread.join(timeout=2.0)
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)

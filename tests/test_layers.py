@@ -30,8 +30,9 @@ PROTO_USERS = {"bench", "kv_transfer"}
 PACKAGES = {p for layer in LAYERS for p in layer} | {"monitor", "proto"}
 # Policy code works on ints and lists: no tensors, no actors, no I/O (the controller actor shell aside).
 PURE = {"bucket_manager"}
-# The controller actor shell and its socket to the prefill workers (which import it from below: the wire is one).
-PURE_EXEMPT = {"bucket_manager.controller", "bucket_manager.dispatch_socket"}
+# The controller actor shell, its socket to the prefill workers (they import it from below: one wire format) and
+# the local listener that socket and the workers' output sockets stand on.
+PURE_EXEMPT = {"bucket_manager.controller", "bucket_manager.dispatch_socket", "bucket_manager.local_socket"}
 IMPURE = {"torch", "ray", "numpy", "grpc", "redis", "httpx", "asyncio", "socket", "subprocess"}
 
 

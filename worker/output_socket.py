@@ -18,18 +18,12 @@ a frame loses only that frame on the gateway's side; its outputs go to the drain
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import pickle
-import shutil
 import socket
-import struct
-import sys
-import tempfile
-import threading
-import uuid
 from typing import TYPE_CHECKING
+
+from bucket_manager.local_socket import LocalListener
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -89,70 +83,31 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return buf
 
 
-def _peer_uid(conn: socket.socket) -> int | None:
-    """The connecting process's user id (Linux), None where the platform does not tell."""
-    if not hasattr(socket, "SO_PEERCRED"):
-        return None
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
-
-
 class OutputSocketServer:
-    """Listens on a Unix socket and hands each connecting gateway's connection to ``attach(consumer id, socket)``
-    (``OutputBuffers.attach``), under the consumer id it sends.
-
-    On Linux the socket has an abstract name (nothing left on disk when a killed worker cannot clean up) and a
-    connection from another user is refused; elsewhere it lives in a private directory (mode 0700)."""
+    """Listens on a Unix socket (``bucket_manager/local_socket.py``: abstract name on Linux, this user only) and
+    hands each connecting gateway's connection to ``attach(consumer id, socket)`` (``OutputBuffers.attach``),
+    under the consumer id it sends."""
 
     def __init__(self, attach: Callable[[str, socket.socket], None], name: str = "worker") -> None:
         self._attach = attach
-        self._dir: str | None = None
-        if sys.platform == "linux":
-            self.path = f"\0bucketserve-out-{uuid.uuid4().hex}"
-        else:
-            self._dir = tempfile.mkdtemp(prefix="bucketserve-out-")
-            self.path = os.path.join(self._dir, "out.sock")
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.path)
-        self._listener.listen(16)
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-output-socket", daemon=True)
-        self._thread.start()
+        self._listener = LocalListener("out", self._hello, f"{name}-output-socket")
+        self.path = self._listener.path
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                if self._closed.is_set():
-                    return
-                logger.exception("output socket: accept failed")
-                continue
-            try:
-                uid = _peer_uid(conn)
-                if uid is not None and uid != os.getuid():
-                    raise ValueError(f"a process of user {uid}, not this worker's")
-                conn.settimeout(HELLO_TIMEOUT_S)
-                n = int.from_bytes(_recv_exactly(conn, 2), "big")
-                if not 0 < n <= MAX_CONSUMER_ID:
-                    raise ValueError(f"consumer id of {n} bytes")
-                consumer_id = _recv_exactly(conn, n).decode()
-                # Writes happen on the engine's thread and must never stall it: a full buffer means fall back.
-                conn.setblocking(False)
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
-            except (OSError, ValueError, UnicodeDecodeError) as e:
-                logger.warning("output socket: refused a connection: %s", e)
-                conn.close()
-                continue
-            self._attach(consumer_id, conn)
+    def _hello(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(HELLO_TIMEOUT_S)
+            n = int.from_bytes(_recv_exactly(conn, 2), "big")
+            if not 0 < n <= MAX_CONSUMER_ID:
+                raise ValueError(f"consumer id of {n} bytes")
+            consumer_id = _recv_exactly(conn, n).decode()
+            # Writes happen on the engine's thread and must never stall it: a full buffer means fall back.
+            conn.setblocking(False)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            logger.warning("output socket: refused a connection: %s", e)
+            conn.close()
+            return
+        self._attach(consumer_id, conn)
 
     def close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
         self._listener.close()
-        self._thread.join(timeout=2.0)
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)

@@ -749,6 +749,8 @@ class Controller:
             node, path = await asyncio.wait_for(
                 handle.dispatch_channel.remote(), self.config.recover_timeout_s
             )
+            if self.handles.get(worker_id) is not handle:
+                return  # retired or replaced meanwhile: the next dispatch asks its successor
             here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
             if not node or node != here:
                 # Another node: Ray is the way there, for good.

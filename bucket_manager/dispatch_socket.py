@@ -153,12 +153,14 @@ class DispatchListener:
                 body = _recv_exactly(conn, size)
                 if body is None:
                     return  # the controller closed it mid-frame: it sent that batch by Ray instead
-                batch_id, items, dispatched_at, cores = pickle.loads(body)
                 try:
+                    batch_id, items, dispatched_at, cores = pickle.loads(body)
                     self._run(batch_id, items, dispatched_at, tuple(cores))
                     self.batches += 1
-                except Exception:
-                    logger.exception("dispatch socket: batch %s could not be queued", batch_id)
+                except (
+                    Exception
+                ):  # as a failed Ray call would: logged, the connection kept for the next batch
+                    logger.exception("dispatch socket: a batch could not be queued")
         except OSError:
             return
         finally:

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from bucket_manager.local_socket import LocalListener
+from bucket_manager.local_socket import LocalListener, recv_exactly
 
 logger = logging.getLogger(__name__)
 
@@ -108,18 +108,6 @@ class DispatchChannel:
             self._sock = None
 
 
-def _recv_exactly(conn: socket.socket, n: int) -> bytes | None:
-    """``n`` bytes, or None at the end of the stream (also in the middle: that frame is dropped)."""
-    parts, left = [], n
-    while left:
-        chunk = conn.recv(min(left, 1 << 20))
-        if not chunk:
-            return None
-        parts.append(chunk)
-        left -= len(chunk)
-    return b"".join(parts)
-
-
 class DispatchListener:
     """The worker's end: listens on a Unix socket and, for each frame of each connection, calls
     ``run(batch_id, items, dispatched_at, borrow_cores)`` on the connection's reader thread."""
@@ -143,23 +131,22 @@ class DispatchListener:
     def _read_loop(self, conn: socket.socket) -> None:
         try:
             while not self._listener.closed:
-                head = _recv_exactly(conn, 4)
+                head = recv_exactly(conn, 4)
                 if head is None:
                     return
                 size = int.from_bytes(head, "big")
                 if size > MAX_FRAME_BYTES:
                     logger.warning("dispatch socket: a frame of %d bytes; closing the connection", size)
                     return
-                body = _recv_exactly(conn, size)
+                body = recv_exactly(conn, size)
                 if body is None:
                     return  # the controller closed it mid-frame: it sent that batch by Ray instead
                 try:
                     batch_id, items, dispatched_at, cores = pickle.loads(body)
                     self._run(batch_id, items, dispatched_at, tuple(cores))
                     self.batches += 1
-                except (
-                    Exception
-                ):  # as a failed Ray call would: logged, the connection kept for the next batch
+                except Exception:
+                    # As a failed Ray call would: logged, and the connection kept for the next batch.
                     logger.exception("dispatch socket: a batch could not be queued")
         except OSError:
             return

@@ -30,9 +30,21 @@ def peer_uid(conn: socket.socket) -> int | None:
     return struct.unpack("3i", creds)[1]
 
 
+def recv_exactly(conn: socket.socket, n: int) -> bytes | None:
+    """``n`` bytes from a blocking socket, or None when the stream ends first (also part-way)."""
+    parts, left = [], n
+    while left:
+        chunk = conn.recv(min(left, 1 << 20))
+        if not chunk:
+            return None
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
 class LocalListener:
     """Listens on a new Unix socket (``path``) and hands each accepted connection of this user to ``accept(conn)``
-    on its own thread; ``accept`` owns the connection from then on."""
+    on the accept thread (a slow ``accept`` holds up the next connection); ``accept`` owns the connection."""
 
     def __init__(self, kind: str, accept: Callable[[socket.socket], None], thread_name: str) -> None:
         self._accept = accept

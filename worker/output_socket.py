@@ -23,7 +23,7 @@ import pickle
 import socket
 from typing import TYPE_CHECKING
 
-from bucket_manager.local_socket import LocalListener
+from bucket_manager.local_socket import LocalListener, recv_exactly
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -74,12 +74,9 @@ def connect_output_socket(path: str) -> socket.socket:
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed before the consumer id")
-        buf += chunk
+    buf = recv_exactly(sock, n)
+    if buf is None:
+        raise ConnectionError("closed before the consumer id")
     return buf
 
 

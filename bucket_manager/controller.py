@@ -9,6 +9,7 @@ untouched. Workers are reached by actor handle only.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -20,7 +21,7 @@ from typing import Any
 import ray
 
 from bucket_manager.autoscale import ROLES, ScalingConfig, ScalingState, idle, pressure
-from bucket_manager.dispatch_socket import DispatchChannel, encode_batch
+from bucket_manager.dispatch_socket import DispatchChannel, FrameListener, encode_frame
 from bucket_manager.dispatcher import SCHEDULING, Dispatcher, DispatcherConfig, check_planning_config
 from bucket_manager.lending import LendingPolicy
 from bucket_manager.priority import PriorityPolicy
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 # How long after a failed attempt a prefill worker is asked again for its dispatch socket (Ray carries its batches
 # meanwhile).
 CHANNEL_RETRY_S = 5.0
+# Ids of aborts of unknown requests kept, to drop a submit that comes after its abort (see Controller.abort).
+ABORTED_UNKNOWN_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,14 @@ class Controller:
         self._channels: dict[str, DispatchChannel] = {}
         self._opening: set[str] = set()
         self._channel_retry_at: dict[str, float] = {}
+        # Gateways on this node submit over a socket of this controller (opened when the first one asks), whose
+        # reader thread hands each submit to the event loop; the submits it has under way.
+        self._submit_socket: FrameListener | None = None
+        self._socket_submits: set[asyncio.Task] = set()
+        # Ids of recent aborts of requests this controller did not hold: an abort goes by Ray and may overtake its
+        # submit on the socket, which is then dropped when it comes. Bounded: an overtaken submit is milliseconds
+        # behind its abort.
+        self._aborted_unknown: collections.OrderedDict[str, None] = collections.OrderedDict()
         # The monitor's figures: when they were last asked for and last received, the read in flight (one at a
         # time, so a slow monitor never gets a backlog of reads), and whether they are known to be stale.
         self._stats_asked = 0.0
@@ -313,11 +324,38 @@ class Controller:
         await self._ready()
         if summary.request_id in self.dispatcher:
             return  # sent again after a restart, or a retried call: already here
+        if summary.request_id in self._aborted_unknown:
+            del self._aborted_unknown[summary.request_id]
+            logger.info("dropped the submit of %s: its abort came first", summary.request_id)
+            return
         self.dispatcher.submit(summary, payload)
         # Planned here, not a turn of the loop later: a prompt that fits goes to its worker in this call. The
         # planning loop still wakes (stats, autoscaling, what did not fit).
         self._plan_now()
         self._wake.set()
+
+    async def submit_channel(self) -> tuple[str, str]:
+        """``(node id, path)`` of this controller's submit socket: a gateway on the same node writes its submits
+        there (``bucket_manager/dispatch_socket.py``), each handled as a call of :meth:`submit` in arrival order."""
+        if self._submit_socket is None:
+            loop = asyncio.get_running_loop()
+            self._submit_socket = FrameListener(
+                "submit", lambda frame: loop.call_soon_threadsafe(self._socket_submit, frame), "controller"
+            )
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        return node, self._submit_socket.path
+
+    def _socket_submit(self, frame: tuple[RequestSummary, object]) -> None:
+        # Tasks start in the order they are made, and submit() runs to its ledger entry without a pause (unless a
+        # restart's rebuild is under way, which they then wait for in the same order).
+        task = asyncio.get_running_loop().create_task(self.submit(*frame))
+        self._socket_submits.add(task)
+        task.add_done_callback(self._socket_submit_done)
+
+    def _socket_submit_done(self, task: asyncio.Task) -> None:
+        self._socket_submits.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("a submit from the socket failed: %r", task.exception())
 
     async def resubmit(self, requests: list[tuple[RequestSummary, object]]) -> int:
         """A gateway's requests after this controller restarted: queued again unless a worker holds them (they
@@ -337,10 +375,15 @@ class Controller:
         return self.incarnation
 
     async def abort(self, request_id: str) -> bool:
-        """Remove the request from the queue, or abort it on the workers it was placed on (waits for both)."""
+        """Remove the request from the queue, or abort it on the workers it was placed on (waits for both). The id
+        of one this controller does not hold is remembered: its submit may still be on the way over the socket, and
+        is dropped when it comes (request ids are the gateway's own and never reused)."""
         await self._ready()
         d = self.dispatcher
         if request_id not in d:
+            self._aborted_unknown[request_id] = None
+            while len(self._aborted_unknown) > ABORTED_UNKNOWN_KEPT:
+                self._aborted_unknown.popitem(last=False)
             return False
         placed = d.placement.get(request_id)
         d.forget(request_id)
@@ -505,6 +548,7 @@ class Controller:
     async def state(self) -> dict:
         await self._ready()
         state = {**self.dispatcher.state(), "incarnation": self.incarnation}
+        state["submits_by_socket"] = self._submit_socket.frames if self._submit_socket is not None else 0
         if self._scaling is not None:
             state["scaling"] = self._scaling.summary()
         return state
@@ -720,7 +764,7 @@ class Controller:
             cores = tuple(sorted({c for did in batch.borrowed for c in self._worker_cores.get(did, ())}))
             args = (batch.batch_id, items, time.time(), cores)
             channel = self._dispatch_channel(batch.prefill_id)
-            frame = encode_batch(args) if channel is not None else None
+            frame = encode_frame(args) if channel is not None else None
             if frame is None or not channel.send(frame):  # type: ignore[union-attr]
                 self.handles[batch.prefill_id].enqueue.remote(*args)
             # After the batch is on its way: the monitor is not on the prompt's path.

@@ -1,4 +1,5 @@
-"""The controller's same-node wire to a prefill worker: a Unix socket that carries each planned batch.
+"""Same-node wires of pickled frames over a Unix socket, one way: the controller hands a prefill worker each
+planned batch here, and a gateway hands the controller each request it submits.
 
 Why: on one node the Ray actor call that hands a prefill worker its batch was the largest part of the unloaded
 prefill queue: 1.2-2.6 ms from the controller's send to the worker's ``enqueue`` on a 2-core host (the call
@@ -13,9 +14,17 @@ is all or nothing: one the socket cannot take whole closes the connection (the w
 and the batch goes by Ray. A worker that dies takes the batches of either path with it, and the controller
 re-plans them from its ledger as before.
 
-Wire format, controller -> worker only: per batch a 4-byte big-endian length and the pickled tuple
-``(batch_id, items, dispatched_at, borrow_cores)``, the arguments of ``enqueue``. On Linux the socket has an
-abstract name (nothing left on disk) and a connection from another user is refused (``local_socket.py``).
+The gateway's submits (``Controller.submit_channel``) take the same wire for the same reason: the gateway's Ray
+call to ``submit`` took 2.0-2.9 ms to reach the controller on a 2-core Zen 5 host, most of an unloaded request's
+controller queue (1.6-2.1 ms p50 there, 4.9 ms on a slower Zen 4 host). A submit whose payload is an object reference, or one
+the socket does not take whole, goes by the Ray call. Aborts stay on Ray and may overtake a submit still in the
+socket: the controller remembers the ids of recent aborts it did not know (``Controller.abort``) and drops a
+submit that comes after its abort.
+
+Wire format, one way (writer -> listener): per frame a 4-byte big-endian length and a pickle; a batch is the tuple
+``(batch_id, items, dispatched_at, borrow_cores)``, the arguments of ``enqueue``, a submit ``(summary, payload)``.
+On Linux the socket has an abstract name (nothing left on disk) and a connection from another user is refused
+(``local_socket.py``).
 """
 
 from __future__ import annotations
@@ -55,12 +64,12 @@ class _HoldsReference(Exception):
     pass
 
 
-def encode_batch(batch: Batch) -> bytes | None:
-    """The frame of one batch, or None when it holds an object reference (it goes by Ray)."""
+def encode_frame(obj: Any) -> bytes | None:
+    """The frame of one batch or submit, or None when it holds an object reference (it goes by Ray)."""
     buf = io.BytesIO()
     buf.write(b"\0\0\0\0")
     try:
-        _NoReferences(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(batch)
+        _NoReferences(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     except _HoldsReference:
         return None
     frame = buf.getbuffer()
@@ -69,7 +78,7 @@ def encode_batch(batch: Batch) -> bytes | None:
 
 
 class DispatchChannel:
-    """The controller's end: a connected, non-blocking socket; :meth:`send` writes one frame whole or closes."""
+    """The writer's end (the controller's to a worker, a gateway's to the controller): a connected, non-blocking socket; :meth:`send` writes one frame whole or closes."""
 
     def __init__(self, path: str) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -89,12 +98,12 @@ class DispatchChannel:
 
     def send(self, frame: bytes) -> bool:
         """Whether the whole frame went; False (and the channel closed) when the socket took part of it or none:
-        the worker then never runs it, and the caller sends the batch the other way."""
+        the listener then never sees it, and the caller sends it the other way."""
         if self._sock is None:
             return False
         try:
             sent = self._sock.send(frame)
-        except OSError:  # BlockingIOError (full), BrokenPipeError / ConnectionResetError (the worker is gone)
+        except OSError:  # BlockingIOError (full), BrokenPipeError / ConnectionResetError (the reader is gone)
             sent = 0
         if sent == len(frame):
             return True
@@ -108,24 +117,25 @@ class DispatchChannel:
             self._sock = None
 
 
-class DispatchListener:
-    """The worker's end: listens on a Unix socket and, for each frame of each connection, calls
-    ``run(batch_id, items, dispatched_at, borrow_cores)`` on the connection's reader thread."""
+class FrameListener:
+    """The reader's end: listens on a Unix socket and, for each frame of each connection, calls ``handle(obj)``
+    with the unpickled frame on the connection's reader thread."""
 
-    def __init__(self, run: Callable[..., None], name: str = "worker") -> None:
-        self._run = run
+    def __init__(self, kind: str, handle: Callable[[Any], None], name: str) -> None:
+        self._handle = handle
+        self._kind = kind
         self._name = name
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
-        self.batches = 0  # run from this socket
-        self._listener = LocalListener("dispatch", self._reader, f"{name}-dispatch")
+        self.frames = 0  # handled from this socket
+        self._listener = LocalListener(kind, self._reader, f"{name}-{kind}")
         self.path = self._listener.path
 
     def _reader(self, conn: socket.socket) -> None:
         with self._lock:
             self._conns.add(conn)
         threading.Thread(
-            target=self._read_loop, args=(conn,), name=f"{self._name}-dispatch-read", daemon=True
+            target=self._read_loop, args=(conn,), name=f"{self._name}-{self._kind}-read", daemon=True
         ).start()
 
     def _read_loop(self, conn: socket.socket) -> None:
@@ -136,18 +146,17 @@ class DispatchListener:
                     return
                 size = int.from_bytes(head, "big")
                 if size > MAX_FRAME_BYTES:
-                    logger.warning("dispatch socket: a frame of %d bytes; closing the connection", size)
+                    logger.warning("%s socket: a frame of %d bytes; closing the connection", self._kind, size)
                     return
                 body = recv_exactly(conn, size)
                 if body is None:
-                    return  # the controller closed it mid-frame: it sent that batch by Ray instead
+                    return  # the writer closed it mid-frame: it sent that one by Ray instead
                 try:
-                    batch_id, items, dispatched_at, cores = pickle.loads(body)
-                    self._run(batch_id, items, dispatched_at, tuple(cores))
-                    self.batches += 1
+                    self._handle(pickle.loads(body))
+                    self.frames += 1
                 except Exception:
-                    # As a failed Ray call would: logged, and the connection kept for the next batch.
-                    logger.exception("dispatch socket: a batch could not be queued")
+                    # As a failed Ray call would: logged, and the connection kept for the next frame.
+                    logger.exception("%s socket: a frame could not be handled", self._kind)
         except OSError:
             return
         finally:
@@ -163,3 +172,19 @@ class DispatchListener:
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
+
+
+class DispatchListener(FrameListener):
+    """A prefill worker's end: calls ``run(batch_id, items, dispatched_at, borrow_cores)`` for each batch."""
+
+    def __init__(self, run: Callable[..., None], name: str = "worker") -> None:
+        def handle(batch: Batch) -> None:
+            batch_id, items, dispatched_at, cores = batch
+            run(batch_id, items, dispatched_at, tuple(cores))
+
+        super().__init__("dispatch", handle, name)
+
+    @property
+    def batches(self) -> int:
+        """Batches run from this socket."""
+        return self.frames

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 import ray
 from ray.actor import ActorHandle
 
+from bucket_manager.dispatch_socket import DispatchChannel, encode_frame
 from bucket_manager.memory_budget import safe_blocks
 from engine.request import FinishReason, Request, RequestOutput
 from gateway.backend import ModelInfo, Overloaded, Rejected, ServingBackend, Unavailable
@@ -60,6 +61,9 @@ CONSUMER_TURNS = 8
 # After a worker's output socket closed (the worker restarted, or fell back to the drain under a burst the socket
 # could not buffer), or could not be reached: wait this long before attaching again; the drain carries meanwhile.
 REATTACH_S = 1.0
+# After the controller's submit socket failed or could not be opened: ask again this long after (Ray carries the
+# submits meanwhile).
+SUBMIT_SOCKET_RETRY_S = 5.0
 
 
 class _Stream:
@@ -131,8 +135,21 @@ class RayClusterBackend(ServingBackend):
         self._closed = False
         # The controller's life this gateway submitted to; when another answers, the queue died with the old one.
         self._incarnation: str | None = None
+        # A controller on this node takes submits over its socket (bucket_manager/dispatch_socket.py): the open
+        # channel, whether an open is under way, and when to ask again after a failure.
+        self._submit_channel: DispatchChannel | None = None
+        self._submit_opening = False
+        self._submit_retry_at = 0.0
+        self.submits_by_socket = 0
         if self.handles.controller is not None:
             self._incarnation = ray.get(self.handles.controller.get_incarnation.remote(), timeout=60)
+            try:  # now, so that the first requests take it too
+                self._adopt_submit_channel(
+                    *ray.get(self.handles.controller.submit_channel.remote(), timeout=60)
+                )
+            except Exception as e:
+                logger.info("no submit socket to the controller yet: %s: %s", type(e).__name__, e)
+                self._submit_retry_at = time.monotonic() + SUBMIT_SOCKET_RETRY_S
 
     @property
     def startup_s(self) -> float:
@@ -242,7 +259,54 @@ class RayClusterBackend(ServingBackend):
         # The controller plans with the summary and passes the payload on unread: the message itself for a prompt
         # that fits a call, else a reference into the object store (the prompt then goes to the worker only).
         stream.payload = payload_of(msg)
+        channel = self._controller_channel()
+        frame = encode_frame((msg.summary(), stream.payload)) if channel is not None else None
+        if frame is not None and channel.send(frame):  # type: ignore[union-attr]
+            # Written whole: the controller reads it unless it dies first, and then the restart watch sends it
+            # again (it has no token yet). Its abort, by Ray, may overtake it: the controller drops it then.
+            self.submits_by_socket += 1
+            return
         await self.handles.controller.submit.remote(msg.summary(), stream.payload)
+
+    def _controller_channel(self) -> DispatchChannel | None:
+        """The open submit socket to the controller, or None (the submit goes by Ray): then one is asked for in the
+        background, unless an open is under way or the last failed less than a retry period ago."""
+        channel = self._submit_channel
+        if channel is not None and channel.open:
+            return channel
+        if not self._submit_opening and time.monotonic() >= self._submit_retry_at:
+            self._submit_opening = True
+            task = asyncio.get_running_loop().create_task(
+                self._open_controller_channel(), context=contextvars.Context()
+            )
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return None
+
+    async def _open_controller_channel(self) -> None:
+        controller = self.handles.controller
+        try:
+            node, path = await asyncio.wait_for(controller.submit_channel.remote(), CALL_TIMEOUT_S)
+            if self.handles.controller is controller:
+                self._adopt_submit_channel(node, path)
+        except Exception as e:  # restarting, or gone: Ray carries the submits meanwhile
+            logger.info("no submit socket to the controller yet: %s: %s", type(e).__name__, e)
+            self._submit_retry_at = time.monotonic() + SUBMIT_SOCKET_RETRY_S
+        finally:
+            self._submit_opening = False
+
+    def _adopt_submit_channel(self, node: str, path: str) -> None:
+        if not node or node != self._node_id:
+            self._submit_retry_at = float("inf")  # another node: Ray is the way there, for good
+            return
+        self._submit_channel = DispatchChannel(path)
+        logger.info("submits go over the controller's socket")
+
+    def _close_controller_channel(self) -> None:
+        if self._submit_channel is not None:
+            self._submit_channel.close()
+            self._submit_channel = None
+        self._submit_retry_at = 0.0
 
     async def _release(self, rid: str) -> None:
         if self.handles.controller is not None:
@@ -351,6 +415,7 @@ class RayClusterBackend(ServingBackend):
         self._pollers = []
         self._worker_pollers = {}
         self._socket_readers = {}
+        self._close_controller_channel()
         if self.handles.launched:
             await asyncio.get_running_loop().run_in_executor(None, stop_cluster, self.handles)
 
@@ -425,6 +490,7 @@ class RayClusterBackend(ServingBackend):
                     "the controller restarted; sending it this gateway's requests not yet under way"
                 )
                 self._incarnation = now
+                self._close_controller_channel()  # its socket died with the old life; the next submit asks anew
                 waiting = [
                     (s.message.summary(), s.payload)
                     for s in list(self._streams.values())

@@ -88,6 +88,9 @@ def test_greedy_matches_hf_for_16_concurrent_mixed_requests(backends, mode, poli
         assert [s["kv_layer_streaming"] for s in stats.values() if "kv_layer_streaming" in s] == [True], stats
         # Same node: the controller handed the prefill worker its batches over the dispatch socket.
         assert sum(s.get("batches_by_socket", 0) for s in stats.values()) > 0, stats
+        # ... and the gateway handed the controller its submits over the controller's socket.
+        assert backend.submits_by_socket >= len(reqs)
+        assert asyncio.run(_controller_state(backend))["submits_by_socket"] >= len(reqs)
     # Every accepted request reached the monitor as an arrival (the controller sizes batches from these).
     summary = ray.get(backend.handles.monitor.summary.remote())
     assert summary["arrival_rate_rps"] > 0 and summary["mean_prompt_tokens"] is not None

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from bucket_manager.dispatch_socket import DispatchChannel, DispatchListener, encode_batch
+from bucket_manager.dispatch_socket import DispatchChannel, DispatchListener, encode_frame
 
 
 class Received:
@@ -48,7 +48,7 @@ def test_batches_arrive_whole_and_in_order(listener):
             1.5 + i,
             (i % 2,),
         )
-        assert ch.send(encode_batch(batch))
+        assert ch.send(encode_frame(batch))
         sent.append(batch)
     assert got.wait_for(50) == sent
     assert lis.batches == 50
@@ -57,17 +57,17 @@ def test_batches_arrive_whole_and_in_order(listener):
 
 def test_a_batch_holding_an_object_reference_is_not_encoded(ray_session):
     ref = ray_session.put([1, 2, 3])
-    assert encode_batch((1, [({"ref": ref}, "decode-0")], 0.0, ())) is None
-    assert encode_batch((1, [({"tokens": [1, 2, 3]}, "decode-0")], 0.0, ())) is not None
+    assert encode_frame((1, [({"ref": ref}, "decode-0")], 0.0, ())) is None
+    assert encode_frame((1, [({"tokens": [1, 2, 3]}, "decode-0")], 0.0, ())) is not None
 
 
 def test_a_send_to_a_closed_worker_fails_and_closes_the_channel(listener):
     lis, got = listener
     ch = DispatchChannel(lis.path)
-    assert ch.send(encode_batch((1, [], 0.0, ())))
+    assert ch.send(encode_frame((1, [], 0.0, ())))
     got.wait_for(1)
     lis.close()
-    frame = encode_batch((2, [], 0.0, ()))
+    frame = encode_frame((2, [], 0.0, ()))
     deadline = time.monotonic() + 5
     # The first write after the peer closed may still land in the kernel's buffer; a later one must fail.
     while ch.send(frame):
@@ -81,13 +81,13 @@ def test_a_send_to_a_closed_worker_fails_and_closes_the_channel(listener):
 
 def test_a_frame_cut_short_runs_nothing_and_the_next_connection_is_served(listener):
     lis, got = listener
-    frame = encode_batch((7, [({"tokens": [1] * 1000}, "decode-0")], 0.0, ()))
+    frame = encode_frame((7, [({"tokens": [1] * 1000}, "decode-0")], 0.0, ()))
     raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     raw.connect(lis.path)
     raw.sendall(frame[: len(frame) // 2])
     raw.close()
     ch = DispatchChannel(lis.path)
-    assert ch.send(encode_batch((8, [], 0.0, ())))
+    assert ch.send(encode_frame((8, [], 0.0, ())))
     assert [b[0] for b in got.wait_for(1)] == [8]
     time.sleep(0.1)
     assert [b[0] for b in got.batches] == [8]
@@ -106,7 +106,7 @@ def test_a_full_socket_takes_nothing_rather_than_part_of_a_frame(listener):
 
     lis._run = slow
     ch = DispatchChannel(lis.path)
-    big = encode_batch((0, [({"tokens": list(range(200_000))}, "d")], 0.0, ()))
+    big = encode_frame((0, [({"tokens": list(range(200_000))}, "d")], 0.0, ()))
     sends = 0
     while ch.send(big):
         sends += 1

@@ -71,10 +71,10 @@ class DrainSignal:
 
 
 def launch(name: str, namespace: str) -> ActorHandle[DrainSignal]:
-    """Start the signal actor (before the gateway replicas, which look it up by name when they start)."""
-    signal = ray.remote(DrainSignal).options(name=name, namespace=namespace, num_cpus=0).remote()
-    ray.get(signal.__ray_ready__.remote(), timeout=60)
-    return signal
+    """Start the signal actor (before the gateway replicas, which look it up by name when they start). Not waited
+    for: a named actor's name is registered before ``remote()`` returns, and calls made while its process starts
+    wait for it, so the workers' start-up need not wait behind this one's."""
+    return ray.remote(DrainSignal).options(name=name, namespace=namespace, num_cpus=0).remote()
 
 
 def drain_replicas(signal: ActorHandle[DrainSignal], timeout_s: float, force: threading.Event) -> str:

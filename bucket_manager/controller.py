@@ -24,6 +24,7 @@ from bucket_manager.autoscale import ROLES, ScalingConfig, ScalingState, idle, p
 from bucket_manager.dispatch_socket import DispatchChannel, FrameListener, encode_frame
 from bucket_manager.dispatcher import SCHEDULING, Dispatcher, DispatcherConfig, check_planning_config
 from bucket_manager.lending import LendingPolicy
+from bucket_manager.local_socket import this_node_id
 from bucket_manager.priority import PriorityPolicy
 from bucket_manager.request import RequestSummary
 from bucket_manager.request_buckets import RequestBuckets
@@ -342,7 +343,7 @@ class Controller:
             self._submit_socket = FrameListener(
                 "submit", lambda frame: loop.call_soon_threadsafe(self._socket_submit, frame), "controller"
             )
-        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        node = this_node_id()
         return node, self._submit_socket.path
 
     def _socket_submit(self, frame: tuple[RequestSummary, object]) -> None:
@@ -795,7 +796,7 @@ class Controller:
             )
             if self.handles.get(worker_id) is not handle:
                 return  # retired or replaced meanwhile: the next dispatch asks its successor
-            here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+            here = this_node_id()
             if not node or node != here:
                 # Another node: Ray is the way there, for good.
                 self._channel_retry_at[worker_id] = float("inf")

@@ -22,6 +22,14 @@ from collections.abc import Callable
 logger = logging.getLogger(__name__)
 
 
+def this_node_id() -> str:
+    """This process's Ray node id, "" where Ray is not running: a peer takes a local socket only when the id it was
+    handed with the socket's path is its own node's."""
+    import ray  # here, not at the top: the sockets themselves need no Ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+
 def peer_uid(conn: socket.socket) -> int | None:
     """The connecting process's user id (Linux), None where the platform does not tell."""
     if not hasattr(socket, "SO_PEERCRED"):

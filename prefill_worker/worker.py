@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 
 from bucket_manager.dispatch_socket import DispatchListener
+from bucket_manager.local_socket import this_node_id
 from bucket_manager.request import RequestSummary
 from engine.request import FinishReason, Request, RequestOutput
 from kv_transfer import KVTransferError, TransferStatus
@@ -86,7 +87,7 @@ class PrefillWorker(EngineWorker):
 
     def dispatch_channel(self) -> tuple[str, str]:
         """``(node id, path)`` of this worker's dispatch socket: a controller on the same node sends batches there."""
-        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        node = this_node_id()
         return node, self.dispatch_socket.path
 
     def _prepare(self, addresses: list[str]) -> None:

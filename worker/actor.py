@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from bucket_manager.controller import restarted_actor
+from bucket_manager.local_socket import this_node_id
 from engine.request import RequestOutput, mark_first_tokens
 from kv_transfer.config import is_wildcard
 from monitor import stages
@@ -152,7 +153,7 @@ class EngineWorker:
             device=e.device.name,
             dtype=e.config.dtype,
             shape_policy=e.config.shape_policy,
-            node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else "",
+            node_id=this_node_id(),
             cores=self.cores,
         )
 
@@ -162,7 +163,7 @@ class EngineWorker:
 
     def output_channel(self) -> tuple[str, str]:
         """``(node id, path)`` of this worker's output socket: a gateway on the same node attaches there."""
-        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        node = this_node_id()
         return node, self.output_socket.path
 
     def stats(self) -> dict:

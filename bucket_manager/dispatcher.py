@@ -24,7 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bucket_manager.batch_plan import BatchPlan, first_request, plan_batch
-from bucket_manager.lending import LendingPolicy, batch_token_budget, lend_instead
+from bucket_manager.lending import (
+    LendingPolicy,
+    batch_token_budget,
+    lend_instead,
+    pause_decode_for,
+    widened_s,
+)
 from bucket_manager.memory_budget import MemoryBudget, WorkerLoad, blocks_for, choose_workers
 from bucket_manager.prefill_pace import PrefillPace
 from bucket_manager.priority import PriorityPolicy
@@ -169,10 +175,12 @@ class Dispatcher:
         # Decode worker id -> (prefill worker id, batch id) of the batch running on its cores, until that batch is done.
         self._cores_lent: dict[str, tuple[str, int]] = {}
         self.core_shared_batches = 0
+        self.decode_pausing_batches = 0  # of those, batches that paused a busy decode worker
         # How fast prefill workers get through prompt tokens (their reported forward times): which queued requests
         # can still meet their TTFT. Batch id -> prompt tokens of the batches on prefill workers, for those reports.
         self.pace = PrefillPace()
-        self._batch_tokens: dict[int, int] = {}
+        # Batch id -> (prompt tokens, how much faster than on its prefill worker's own cores it was to run).
+        self._batch_tokens: dict[int, tuple[int, float]] = {}
 
     # ------------------------------------------------------------------ workers
     def set_workers(self, prefill: Mapping[str, int], decode: Mapping[str, int]) -> None:
@@ -317,9 +325,10 @@ class Dispatcher:
         """Every request of the batch has left the prefill worker: their prompt reservations end. For a lent batch
         (a decode worker's id): its prompts are prefilled; the requests' reservations stay until they end.
         ``forward_s``: the batch's forward pass as the prefill worker timed it (feeds :attr:`pace`)."""
-        tokens = self._batch_tokens.pop(batch_id, None)
-        if tokens is not None and forward_s is not None:
-            self.pace.observe(tokens, forward_s)
+        timed = self._batch_tokens.pop(batch_id, None)
+        if timed is not None and forward_s is not None:
+            tokens, speedup = timed
+            self.pace.observe(tokens, forward_s * speedup)
         w = self.prefill.get(prefill_id)
         if w is not None:
             for rid in w.outstanding.pop(batch_id, ()):
@@ -454,7 +463,11 @@ class Dispatcher:
             if plan is None:
                 break  # the most urgent request does not fit yet: wait for blocks to come back
             # Before this batch reserves on its decode worker (which may be the idle lender).
-            borrowed = self._core_lenders(p, len(self.queue) - len(plan.request_ids)) if p is not d else ()
+            borrowed = (
+                self._core_lenders(p, len(self.queue) - len(plan.request_ids), plan, now)
+                if p is not d
+                else ()
+            )
             executor = self.decode[p.worker_id] if p is d else self.prefill[p.worker_id]
             dispatched.append(self._dispatch(plan, executor, self.decode[d.worker_id], borrowed))
         return dispatched
@@ -468,23 +481,32 @@ class Dispatcher:
                 del self._cores_lent[did]
         return self._cores_lent
 
-    def _core_lenders(self, p: WorkerLoad, left_queued: int) -> tuple[str, ...]:
-        """The decode workers whose cores the prefill worker ``p``'s next batch may borrow: only a batch that starts
-        at once (``p`` holds none) and leaves nothing queued (a burst runs in batches side by side instead, one of
-        them lent to the idle decode worker), and only decode workers of its node that hold nothing."""
+    def _core_lenders(self, p: WorkerLoad, left_queued: int, plan: BatchPlan, now: float) -> tuple[str, ...]:
+        """The decode workers whose cores the prefill worker ``p``'s next batch (``plan``) may borrow: only a batch
+        that starts at once (``p`` holds none) and leaves nothing queued (a burst runs in batches side by side
+        instead, one of them lent to the idle decode worker), and only decode workers of its node that run no lent
+        batch: those that hold nothing, and the busy ones too when the batch needs their cores to meet its TTFT
+        deadline (``LendingPolicy.pause_decode_ms``; they stop stepping for its forward pass)."""
         lending = self.config.lending
         if not (lending.enabled and lending.share_cores) or p.queue_len or left_queued:
             return ()
         lent = self._lent_cores()
-        return tuple(
-            did
-            for did in self._neighbours.get(p.worker_id, ())
-            if (w := self.decode.get(did)) is not None
-            and self._usable(w)
-            and not w.reserved
-            and not w.outstanding
-            and did not in lent
-        )
+        idle: list[str] = []
+        every: list[str] = []
+        for did in self._neighbours.get(p.worker_id, ()):
+            w = self.decode.get(did)
+            if w is None or not self._usable(w) or w.outstanding or did in lent:
+                continue
+            every.append(did)
+            if not w.reserved:
+                idle.append(did)
+        if len(every) > len(idle):
+            slack = min(self.summaries[rid].ttft_deadline for rid in plan.request_ids) - now
+            alone = plan.real_tokens * self.pace.seconds_per_token
+            if pause_decode_for(alone, slack, 1, len(every), lending.pause_decode_ms / 1e3):
+                self.decode_pausing_batches += 1
+                return tuple(every)
+        return tuple(idle)
 
     def _held(self, worker_id: str, now: float) -> bool:
         """The decode worker refused a request as full less than ``full_hold_s`` ago."""
@@ -519,7 +541,9 @@ class Dispatcher:
         p.outstanding[self._batch_seq] = plan.request_ids
         # A lent batch's prompt steps are mixed with decodes: no measure of a prefill worker's pace.
         if p is not d:
-            self._batch_tokens[self._batch_seq] = plan.real_tokens
+            # Paced on the prefill worker's own cores: a batch on borrowed cores too counts as its estimate alone.
+            speedup = 1.0 / widened_s(1.0, 1, len(borrowed))
+            self._batch_tokens[self._batch_seq] = (plan.real_tokens, speedup)
             if len(self._batch_tokens) > MAX_TIMED_BATCHES:  # batches of a worker that died never report
                 del self._batch_tokens[next(iter(self._batch_tokens))]
         self.online_streak = 0 if plan.priority_class.value == "offline" else self.online_streak + 1
@@ -555,6 +579,7 @@ class Dispatcher:
             "batches": self.batches,
             "lent_batches": self.lent_batches,
             "core_shared_batches": self.core_shared_batches,
+            "decode_pausing_batches": self.decode_pausing_batches,
             "prefill_s_per_token": self.pace.seconds_per_token,
             "in_cluster": len(self.request_ids()),
             "prefill": {

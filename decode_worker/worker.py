@@ -26,6 +26,7 @@ from kv_transfer import Handshake, ReceivedKV
 from monitor import stages
 from worker.actor import EngineWorker
 from worker.config import WorkerConfig
+from worker.core_gate import CoreGate
 from worker.info import DecodePeer, WorkerInfo
 from worker.messages import MessageRef, PrefilledMessage, RequestMessage
 
@@ -60,6 +61,9 @@ class DecodeWorker(EngineWorker):
         # controller sent it) (loop only).
         self._lent: dict[int, set[str]] = {}
         self._lent_batch: dict[str, tuple[int, float]] = {}
+        # Each step holds this worker's cores; a prefill worker beside it that borrows them holds them instead for
+        # its forward pass, and the step waits (bucket_manager/lending.py, worker/core_gate.py).
+        self._gate = CoreGate(self.cores)
         # Admission in place before the port opens: no handshake is taken unjudged.
         self.transport.receiver.admission = self._admit_transfer
         self.address = self.transport.serve()
@@ -125,6 +129,7 @@ class DecodeWorker(EngineWorker):
         self.transport.receiver.wake()
         self._thread.join(timeout=5)
         self.transport.close()
+        self._gate.close()
 
     # ------------------------------------------------------------------ loop
     def _blocks_for(self, tokens: int, held: int = 0) -> int:
@@ -172,7 +177,8 @@ class DecodeWorker(EngineWorker):
         return self.transport.receiver.is_idle()
 
     def _step(self) -> None:
-        outs = self._timed_step()
+        with self._gate.step():
+            outs = self._timed_step()
         if self._joined_at:
             outs = self._stamp_joins(outs)
         if self._lent_batch:

@@ -69,6 +69,9 @@ class ClusterConfig:
     # Elastic too: a prefill batch runs on the cores of the idle decode workers pinned beside its prefill worker
     # (a lone prompt prefills on every core of a small host). Needs pin_cores.
     share_cores: bool = True
+    # Elastic too: a prompt batch that needs the cores of busy decode workers beside it to meet its TTFT target pauses
+    # them for its forward pass when that takes at most this many ms (0: only idle ones lend their cores).
+    pause_decode_ms: int = 800
     # Ray: None starts a local cluster in-process; "auto" or "ray://host:port" joins one.
     ray_address: str | None = None
     ray_num_cpus: int | None = None
@@ -180,6 +183,14 @@ class ClusterConfig:
             raise ValueError(f"ClusterConfig.elastic must be a bool, got {self.elastic!r}")
         if not isinstance(self.share_cores, bool):
             raise ValueError(f"ClusterConfig.share_cores must be a bool, got {self.share_cores!r}")
+        if (
+            not isinstance(self.pause_decode_ms, int)
+            or isinstance(self.pause_decode_ms, bool)
+            or self.pause_decode_ms < 0
+        ):
+            raise ValueError(
+                f"ClusterConfig.pause_decode_ms must be an int >= 0, got {self.pause_decode_ms!r}"
+            )
         if not self.name or not self.namespace:
             raise ValueError("ClusterConfig.name and ClusterConfig.namespace must be non-empty")
 
@@ -562,7 +573,9 @@ def controller_config(
         max_batches_per_prefill_worker=config.max_batches_per_prefill_worker,
         scheduling=config.scheduling,
         lending=LendingPolicy(
-            enabled=config.elastic and config.mode == "disaggregated", share_cores=config.share_cores
+            enabled=config.elastic and config.mode == "disaggregated",
+            share_cores=config.share_cores,
+            pause_decode_ms=config.pause_decode_ms,
         ),
         core_neighbours=neighbours,
         worker_cores=cores,

@@ -28,6 +28,7 @@ from monitor import stages
 from monitor.records import BatchRecord
 from worker.actor import EngineWorker
 from worker.config import WorkerConfig, layer_streaming
+from worker.core_gate import CoreGate
 from worker.cores import borrowed_cores
 from worker.info import DecodePeer
 from worker.messages import MessageRef, PrefilledMessage, RequestMessage
@@ -56,6 +57,9 @@ class PrefillWorker(EngineWorker):
             tuple[int, list[tuple[RequestMessage, str]], float | None, tuple[int, ...]]
         ] = collections.deque()
         self._core_shared = 0  # batches that ran on borrowed cores too
+        self._gates: dict[
+            tuple[int, ...], CoreGate
+        ] = {}  # borrowed cores -> their gate, opened once (loop only)
         self._in_progress = 0  # batches taken off the queue whose transfers are not all done
         # Every batch held here, queued or in progress, until its batch_done: what a restarted controller adopts.
         self._held: dict[int, list[tuple[RequestMessage, str]]] = {}
@@ -149,6 +153,8 @@ class PrefillWorker(EngineWorker):
         self._thread.join(timeout=5)
         self._senders.shutdown(wait=False, cancel_futures=True)
         self.transport.close()
+        for gate in self._gates.values():
+            gate.close()
 
     # ------------------------------------------------------------------ loop
     def _loop(self) -> None:
@@ -172,6 +178,15 @@ class PrefillWorker(EngineWorker):
                     self._give_back(msg, f"prefill failed: {e}")
             self._senders.submit(self._send_all, batch_id, sends, streamer, forward_s)
 
+    def _gate(self, cores: tuple[int, ...]) -> CoreGate:
+        """The gate of the cores a batch borrows (a no-op gate when it borrows none, or this worker is not pinned:
+        then no core is widened onto either)."""
+        key = tuple(sorted(set(cores) - set(self.cores))) if self.cores else ()
+        gate = self._gates.get(key)
+        if gate is None:
+            gate = self._gates[key] = CoreGate(key)
+        return gate
+
     def _run(
         self,
         items: list[tuple[RequestMessage, str]],
@@ -193,13 +208,16 @@ class PrefillWorker(EngineWorker):
         reqs = [m.to_request() for m, _ in items]
         if streamer is not None:
             self._begin_streams(items, reqs, streamer)
-        start = time.time()
-        t0 = time.perf_counter()
+        gate = self._gate(borrow_cores)
         try:
-            hook = streamer.on_layer_written if streamer is not None else None
-            with borrowed_cores(self.cores, self.config.num_threads, borrow_cores) as threads:
-                # Back to its own cores as soon as the forward is done: the batch's requests decode on the lender.
-                outs = self.engine.prefill_only(reqs, on_layer_written=hook)
+            # Waits for the lenders' decode steps in progress (at most one each); they step again after the forward.
+            with gate.borrow():
+                start = time.time()
+                t0 = time.perf_counter()
+                hook = streamer.on_layer_written if streamer is not None else None
+                with borrowed_cores(self.cores, self.config.num_threads, borrow_cores) as threads:
+                    # Back to its own cores as soon as the forward is done: the batch's requests decode on the lender.
+                    outs = self.engine.prefill_only(reqs, on_layer_written=hook)
             self._core_shared += threads > self.config.num_threads
         except BaseException:
             # Every transfer opened (or refused) is ended, and the transport frees those requests' blocks.

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 from test_dispatcher import BS, dispatcher, req
 
-from bucket_manager.lending import LendingPolicy, batch_token_budget, lend_instead
+from bucket_manager.lending import (
+    LendingPolicy,
+    batch_token_budget,
+    lend_instead,
+    pause_decode_for,
+    widened_s,
+)
 from bucket_manager.memory_budget import blocks_for
 from bucket_manager.priority import PriorityPolicy
 
@@ -208,6 +214,86 @@ def test_a_decode_worker_that_holds_a_request_keeps_its_cores() -> None:
     [second] = d.plan(1.0)
     # r0 decodes on one of them: only the other lends.
     assert second.borrowed == tuple(w for w in ("d0", "d1") if w != first.decode_id)
+
+
+# ---------------------------------------------------------------- a busy decode worker paused for a long prompt
+def test_a_batch_pauses_busy_decodes_only_when_that_turns_a_miss_into_a_hit() -> None:
+    # 1.0 s alone, 0.56 s on two workers' cores (efficiency 0.9).
+    assert widened_s(1.0, 1, 1) == pytest.approx(1.0 / 1.8)
+    assert widened_s(1.0, 1, 0) == 1.0
+    assert pause_decode_for(1.0, slack_s=0.66, own=1, borrowed=1, max_pause_s=0.8)
+    assert not pause_decode_for(1.0, slack_s=1.2, own=1, borrowed=1, max_pause_s=0.8), "meets it alone"
+    assert not pause_decode_for(1.0, slack_s=0.5, own=1, borrowed=1, max_pause_s=0.8), "misses it either way"
+    assert not pause_decode_for(1.0, slack_s=0.66, own=1, borrowed=1, max_pause_s=0.5), "too long a pause"
+    assert not pause_decode_for(1.0, slack_s=float("inf"), own=1, borrowed=1, max_pause_s=0.8), "no target"
+    assert not pause_decode_for(0.0, slack_s=0.1, own=1, borrowed=1, max_pause_s=0.8), "pace unknown"
+    assert not pause_decode_for(1.0, slack_s=0.66, own=1, borrowed=1, max_pause_s=0.0), "pausing off"
+    assert not pause_decode_for(1.0, slack_s=0.66, own=1, borrowed=0, max_pause_s=0.8)
+    with pytest.raises(ValueError, match="pause_decode_ms must be an int >= 0"):
+        LendingPolicy(pause_decode_ms=-1)
+
+
+def _busy_next_door(policy: LendingPolicy = ON):
+    """A dispatcher whose prefill worker runs 1 ms a token on its own core and whose neighbour d0 decodes r0."""
+    d = dispatcher(lending=policy, core_neighbours=NEXT_DOOR)
+    d.pace.observe(1000, 1.0)
+    d.submit(req(0, prompt=64, out=64))
+    [first] = d.plan(0.0)
+    d.batch_done("p0", first.batch_id)  # r0 decodes on d0 now
+    return d
+
+
+@pytest.mark.parametrize(
+    ("prompt", "slo_ms", "policy", "pauses"),
+    [
+        (800, 600.0, ON, True),  # 0.8 s alone, 0.44 s widened: the 600 ms target is met only widened
+        (400, 600.0, ON, False),  # 0.4 s alone: meets it on its own core
+        (1500, 600.0, ON, False),  # 0.83 s widened: misses it either way, the decodes keep their core
+        (800, None, ON, False),  # no target: never pauses anyone
+        (800, 600.0, LendingPolicy(enabled=True, pause_decode_ms=0), False),
+        (800, 600.0, LendingPolicy(enabled=True, pause_decode_ms=300), False),  # the pause would be too long
+    ],
+)
+def test_a_long_prompt_borrows_a_busy_decode_workers_cores_when_it_needs_them(
+    prompt, slo_ms, policy, pauses
+) -> None:
+    d = _busy_next_door(policy)
+    d.submit(req(1, prompt=prompt, out=16, arrival=1.0, ttft_slo_ms=slo_ms))
+    [batch] = d.plan(1.0)
+    assert batch.prefill_id == "p0" and not batch.lent
+    assert batch.borrowed == (("d0",) if pauses else ())
+    assert d.state()["decode_pausing_batches"] == int(pauses)
+
+
+def test_a_long_prompt_that_waited_has_less_slack() -> None:
+    # 0.5 s alone meets a 600 ms target on arrival; after 200 ms in the queue only the widened 0.28 s does.
+    d = _busy_next_door()
+    d.submit(req(1, prompt=500, out=16, arrival=1.0, ttft_slo_ms=600.0))
+    [batch] = d.plan(1.2)
+    assert batch.borrowed == ("d0",)
+
+
+def test_a_busy_decode_worker_is_not_paused_for_a_batch_that_leaves_others_queued() -> None:
+    # Each prompt alone would pause d0 (1.1 s alone, 0.61 s widened, an 800 ms target); two do not fit one batch,
+    # so the first leaves one queued and the second queues behind it: both keep to the prefill worker's core.
+    d = _busy_next_door(
+        LendingPolicy(enabled=True, max_running=0)
+    )  # d0 decodes r0: takes no lent batch either
+    for i in (1, 2):
+        d.submit(req(i, prompt=1100, out=16, arrival=1.0, ttft_slo_ms=800.0))
+    batches = d.plan(1.0)
+    assert len(batches) == 2 and all(b.borrowed == () for b in batches)
+    assert d.state()["decode_pausing_batches"] == 0
+
+
+def test_the_pace_counts_a_batch_on_borrowed_cores_as_its_time_alone() -> None:
+    d = dispatcher(lending=ON, core_neighbours=NEXT_DOOR)
+    d.submit(req(0, prompt=900, out=16))
+    [batch] = d.plan(0.0)
+    assert batch.borrowed == ("d0",)
+    d.batch_done("p0", batch.batch_id, forward_s=0.5)
+    # 0.5 s on two workers' cores is 0.9 s on its own: 1 ms a token.
+    assert d.pace.seconds_per_token == pytest.approx(0.9 / 900)
 
 
 def test_the_neighbours_are_validated() -> None:

@@ -86,6 +86,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "beside its prefill worker too (a lone prompt prefills on every core of the node)",
     )
     p.add_argument(
+        "--pause-decode-ms",
+        type=int,
+        default=800,
+        help="disaggregated, with --share-cores on: a prompt batch that would miss its TTFT target on its prefill "
+        "worker's cores alone, and meet it on the cores of the busy decode workers beside it too, pauses those "
+        "decode workers for its forward pass when that takes at most this many ms (0: only idle ones lend)",
+    )
+    p.add_argument(
         "--online-order",
         default="arrival",
         choices=["arrival", "deadline", "sjf"],
@@ -337,6 +345,7 @@ def cluster_config_from_args(args: argparse.Namespace, detached: bool = False, q
         scheduling=args.scheduling,
         elastic=args.elastic == "on",
         share_cores=args.share_cores == "on",
+        pause_decode_ms=args.pause_decode_ms,
         policy=PriorityPolicy(online_order=args.online_order, late_last=args.late_last == "on"),
         prefill_workers=prefill_workers,
         decode_workers=decode_workers,

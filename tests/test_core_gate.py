@@ -1,0 +1,134 @@
+"""The core gate (``worker/core_gate.py``): a decode worker's steps and a borrowing prefill worker's forward pass never
+overlap on a core, the borrower waits for at most the step in progress, and a borrower that dies lets go. Real
+``flock`` locks in a temporary directory, between threads (each gate opens its own files, as each worker process
+does) and between processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+
+import pytest
+
+from worker.core_gate import CoreGate
+
+
+def _owner_loop(gate: CoreGate, stop: threading.Event, step_s: float, log: list) -> None:
+    """A decode worker's loop: one step after another, each holding the cores for ``step_s``."""
+    while not stop.is_set():
+        with gate.step():
+            log.append(("step", time.monotonic()))
+            time.sleep(step_s)
+            log.append(("end", time.monotonic()))
+
+
+def test_a_borrower_waits_only_for_the_step_in_progress_and_no_step_runs_while_it_holds(tmp_path) -> None:
+    owner, borrower = CoreGate((3,), str(tmp_path)), CoreGate((3,), str(tmp_path))
+    stop, log = threading.Event(), []
+    t = threading.Thread(target=_owner_loop, args=(owner, stop, 0.02, log))
+    t.start()
+    try:
+        time.sleep(0.1)  # the owner steps back to back
+        waits = []
+        for _ in range(5):
+            asked = time.monotonic()
+            with borrower.borrow():
+                got = time.monotonic()
+                steps_before = sum(1 for kind, _ in log if kind == "step")
+                time.sleep(0.1)
+                steps_during = sum(1 for kind, _ in log if kind == "step") - steps_before
+            waits.append(got - asked)
+            assert steps_during == 0, "the owner stepped while the cores were borrowed"
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        t.join()
+        owner.close()
+        borrower.close()
+    # About the 20 ms step in progress (the turnstile keeps the owner from taking the cores again first).
+    assert max(waits) < 0.1, waits
+    ends = [ts for kind, ts in log if kind == "end"]
+    assert len(ends) > 10, "the owner went on stepping between the borrows"
+
+
+def test_steps_never_overlap_a_borrow(tmp_path) -> None:
+    owner, borrower = CoreGate((0, 1), str(tmp_path)), CoreGate((1, 0), str(tmp_path))
+    inside = {"owner": 0, "borrower": 0}
+    overlaps = []
+    stop = threading.Event()
+
+    def run(gate_cm, who, hold_s):
+        while not stop.is_set():
+            with gate_cm():
+                inside[who] += 1
+                if inside["owner"] and inside["borrower"]:
+                    overlaps.append(who)
+                time.sleep(hold_s)
+                inside[who] -= 1
+            time.sleep(0.001)
+
+    threads = [
+        threading.Thread(target=run, args=(owner.step, "owner", 0.003)),
+        threading.Thread(target=run, args=(borrower.borrow, "borrower", 0.005)),
+    ]
+    for th in threads:
+        th.start()
+    time.sleep(0.5)
+    stop.set()
+    for th in threads:
+        th.join()
+    owner.close()
+    borrower.close()
+    assert overlaps == []
+
+
+def _hold_and_die(directory: str, ready) -> None:
+    gate = CoreGate((5,), directory)
+    with gate.borrow():
+        ready.set()
+        time.sleep(60)
+
+
+def test_a_borrower_that_dies_holding_the_cores_blocks_nothing(tmp_path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    p = ctx.Process(target=_hold_and_die, args=(str(tmp_path), ready))
+    p.start()
+    try:
+        assert ready.wait(30), "the borrower process did not start"
+        owner = CoreGate((5,), str(tmp_path))
+        stepped = threading.Event()
+
+        def one_step() -> None:
+            with owner.step():
+                stepped.set()
+
+        t = threading.Thread(target=one_step, daemon=True)
+        t.start()
+        assert not stepped.wait(0.3), "the owner stepped while another process held its cores"
+        p.kill()
+        assert stepped.wait(5), "the cores stayed held after the borrower died"
+        t.join()
+        owner.close()
+    finally:
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+
+def test_a_gate_of_no_cores_is_a_no_op(tmp_path) -> None:
+    gate = CoreGate((), str(tmp_path))
+    with gate.step(), gate.borrow():  # nested: nothing is locked, nothing waits
+        pass
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("cores", [(2,), (0, 7)])
+def test_the_gate_files_are_per_core_and_private(tmp_path, cores) -> None:
+    gate = CoreGate(cores, str(tmp_path / "gates"))
+    names = sorted(os.listdir(tmp_path / "gates"))
+    assert names == sorted([f"core-{c}.lock" for c in cores] + [f"core-{c}.turn" for c in cores])
+    assert (os.stat(tmp_path / "gates").st_mode & 0o777) == 0o700
+    gate.close()

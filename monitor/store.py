@@ -188,7 +188,7 @@ class MonitorStore(ABC):
         self._apply([HashOp(accounting.TOTALS_KEY, incr=accounting.lent_totals(worker_id, prompts))])
 
     def add_core_lend(self, worker_id: str) -> None:
-        """A prefill batch ran on idle decode worker ``worker_id``'s cores too (elastic prefill)."""
+        """A prefill batch ran on decode worker ``worker_id``'s cores too (idle, or paused; elastic prefill)."""
         if not worker_id or not isinstance(worker_id, str):
             raise ValueError(f"a core lend names its decode worker, got {worker_id!r}")
         self._apply([HashOp(accounting.TOTALS_KEY, incr=accounting.core_lent_totals(worker_id))])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import time
@@ -48,9 +49,13 @@ def backends(ray_session):
 
 
 def assert_no_leaks(stats: dict[str, dict]) -> None:
+    assert_no_leaks_of(stats, NUM_BLOCKS)
+
+
+def assert_no_leaks_of(stats: dict[str, dict], num_blocks: int) -> None:
     for name, s in stats.items():
         assert s["kv_blocks_used"] == 0, f"{name} still holds {s['kv_blocks_used']} blocks"
-        assert s["kv_blocks_free"] + s["kv_blocks_used"] == s["kv_blocks_total"] == NUM_BLOCKS, name
+        assert s["kv_blocks_free"] + s["kv_blocks_used"] == s["kv_blocks_total"] == num_blocks, name
         assert s["integrity_error"] is None, f"{name}: {s['integrity_error']}"
 
 
@@ -410,5 +415,68 @@ def test_without_elastic_prefill_every_prompt_goes_to_the_prefill_worker(ray_ses
         assert all(got.error is None for got in asyncio.run(run()))
         assert_no_leaks(asyncio.run(wait_idle(backend)))
         assert ray.get(backend.handles.controller.state.remote())["lent_batches"] == 0
+    finally:
+        asyncio.run(backend.shutdown())
+
+
+def test_a_long_prompt_that_needs_both_cores_pauses_the_busy_decode_worker(ray_session, hf_reference):
+    """serve's default (--pause-decode-ms 800): while the decode worker decodes a long answer, a long prompt whose
+    TTFT target its prefill worker's core alone would miss (at the pace the controller measured), and both cores
+    would meet, runs its forward on the decode worker's core too; the decode worker stops stepping meanwhile. Both
+    answers stay exact and no block leaks. `small`, so that the prompt's forward takes long enough (hundreds of ms)
+    for the controller's estimate to decide, not its timing noise."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: nothing to borrow (prefill and decode workers share it)")
+    config = cluster_config("disaggregated", "t-pause", stream_kv_layers=None)
+    engine = dataclasses.replace(
+        config.engine,
+        model="small",
+        scheduler=dataclasses.replace(
+            config.engine.scheduler, max_model_len=2048, max_num_batched_tokens=2048
+        ),
+        cache=dataclasses.replace(config.engine.cache, num_blocks=256),
+    )
+    backend = RayClusterBackend(dataclasses.replace(config, engine=engine))
+    try:
+        infos = backend.handles.infos
+        if len({c for i in infos.values() for c in i.cores}) < 2:
+            pytest.fail(
+                f"the workers were not pinned to two cores: {[(n, i.cores) for n, i in infos.items()]}"
+            )
+        reference = hf_reference("small", "cpu")
+        # A first prompt teaches the controller the prefill pace (it ran on both cores: counted as its time alone).
+        warm = make_request("pace", 600, 2, seed=3)
+        assert asyncio.run(collect(backend, warm)).error is None
+        deadline = time.monotonic() + 10
+        while (pace := ray.get(backend.handles.controller.state.remote())["prefill_s_per_token"]) == 0.0:
+            assert time.monotonic() < deadline, "the controller never learned the prefill pace"
+            time.sleep(0.05)
+        long_prompt = 1200
+        alone_s = long_prompt * pace
+        decoding = make_request("decoding", 20, 400, seed=3)
+
+        async def run():
+            started = asyncio.Event()
+            first = asyncio.ensure_future(collect(backend, decoding, started))
+            await started.wait()
+            await asyncio.sleep(0.2)
+            # Made when sent: its TTFT target counts from here. Missed alone, met on two cores (0.56x alone),
+            # whatever this machine's pace.
+            needy = make_request("needy", long_prompt, 8, seed=4)
+            needy.slo_ttft_ms = 0.8 * alone_s * 1e3
+            return needy, await collect(backend, needy), await first
+
+        needy, second, first = asyncio.run(run())
+        for req, got in ((decoding, first), (needy, second)):
+            assert got.error is None, got.error
+            assert got.tokens == reference.greedy(
+                req.prompt_token_ids, req.sampling.max_tokens, ignore_eos=True
+            ), req.request_id
+        assert first.finished_at > second.first_token_at, (
+            "the decode worker was not busy when the prompt came"
+        )
+        state = ray.get(backend.handles.controller.state.remote())
+        assert state["decode_pausing_batches"] == 1, (pace, state)
+        assert_no_leaks_of(asyncio.run(wait_idle(backend)), 256)
     finally:
         asyncio.run(backend.shutdown())

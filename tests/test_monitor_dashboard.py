@@ -133,7 +133,7 @@ def test_charts_draw_dashboard_data() -> None:
     assert "1 / 2" in view["health-headline"]
     assert data["lending"] == {"decode-0": {"batches": 2, "prompts": 5, "core_batches": 1}}
     assert ">2</span>" in view["lending"] and "(5 prompts)" in view["lending"]
-    assert "1 prefill batches ran on an idle decode worker's cores too" in view["lending"]
+    assert "1 prefill batches ran on a decode worker's cores too" in view["lending"]
     stages = view["stages-table"]
     assert [m for m in re.findall(r'data-stage="(\w+)"', stages)] == [
         "admission",

@@ -184,7 +184,7 @@ function buildView(d) {
   const lentBatches = lent.reduce((n, w) => n + w.batches, 0);
   const lentPrompts = lent.reduce((n, w) => n + w.prompts, 0);
   const lentCores = lent.reduce((n, w) => n + (w.core_batches || 0), 0);
-  view["lending"] = `<div class="stat"><span class="stat-label">elastic prefill</span><span class="stat-value">${lentBatches}</span><span class="stat-sub">batches decode workers prefilled themselves (${lentPrompts} prompts); ${lentCores} prefill batches ran on an idle decode worker's cores too</span></div>`;
+  view["lending"] = `<div class="stat"><span class="stat-label">elastic prefill</span><span class="stat-value">${lentBatches}</span><span class="stat-sub">batches decode workers prefilled themselves (${lentPrompts} prompts); ${lentCores} prefill batches ran on a decode worker's cores too</span></div>`;
   view["slo-chart"] = lineChartSvg(d.t, classSeries(d.slo_attainment), { yMax: 1, yFormat: fmtPercent, width: 1120 });
   view["goodput-chart"] = lineChartSvg(d.t, classSeries(d.goodput_rps));
   view["rate-chart"] = lineChartSvg(d.t, [

@@ -612,17 +612,18 @@ class Controller:
             return
         finally:
             self._stats_read = None
+        steps = {
+            wid: row["batch_latency_ms"] / 1000.0
+            for wid, row in summary.get("workers", {}).items()
+            if row.get("role") == "decode" and row.get("up", True) and row.get("batch_latency_ms") is not None
+        }
         self.dispatcher.update_stats(
             summary.get("free_kv_blocks", {}),
             # A worker that reported once and then went silent is down; one not yet seen is starting.
             (wid for wid, row in summary.get("workers", {}).items() if not row.get("up", True)),
+            steps,
         )
-        steps = [
-            row["batch_latency_ms"] / 1000.0
-            for row in summary.get("workers", {}).values()
-            if row.get("role") == "decode" and row.get("up", True) and row.get("batch_latency_ms") is not None
-        ]
-        self._decode_step_s = max(steps) if steps else None
+        self._decode_step_s = max(steps.values()) if steps else None
         self._stats_at = time.monotonic()
         self._stats_seen = True
         self._stats_error = None

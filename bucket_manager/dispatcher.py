@@ -29,6 +29,7 @@ from bucket_manager.lending import (
     batch_token_budget,
     lend_instead,
     pause_decode_for,
+    pause_fits_tpot,
     widened_s,
 )
 from bucket_manager.memory_budget import MemoryBudget, WorkerLoad, blocks_for, choose_workers
@@ -169,6 +170,9 @@ class Dispatcher:
         self._queued_prompt = 0
         self._queued_max_tokens = 0
         self._reported: dict[str, int] = {}
+        self._decode_step_s: dict[str, float] = {}  # decode worker id -> its latest step, from the monitor
+        # Request id -> seconds its decode worker was paused for prompts that borrowed its cores (its TPOT's share).
+        self._paused_s: dict[str, float] = {}
         self._down: set[str] = set()
         self._draining: set[str] = set()
         self._neighbours = dict(config.core_neighbours)
@@ -188,10 +192,18 @@ class Dispatcher:
         self.prefill = {w: WorkerLedger(w, n) for w, n in prefill.items()}
         self.decode = {w: WorkerLedger(w, n) for w, n in decode.items()}
 
-    def update_stats(self, free_blocks: Mapping[str, int], down: Iterable[str]) -> None:
-        """The monitor's latest figures: free KV blocks per worker, and the workers it sees as down."""
+    def update_stats(
+        self,
+        free_blocks: Mapping[str, int],
+        down: Iterable[str],
+        decode_step_s: Mapping[str, float] | None = None,
+    ) -> None:
+        """The monitor's latest figures: free KV blocks per worker, the workers it sees as down, and each decode
+        worker's latest step in seconds (when given)."""
         self._reported = dict(free_blocks)
         self._down = set(down)
+        if decode_step_s is not None:
+            self._decode_step_s = dict(decode_step_s)
 
     def mark_down(self, worker_id: str) -> bool:
         """True when the worker was alive until now."""
@@ -316,6 +328,7 @@ class Dispatcher:
         self.summaries.pop(request_id, None)
         self.payloads.pop(request_id, None)
         self.attempts.pop(request_id, None)
+        self._paused_s.pop(request_id, None)
         placed = self.placement.pop(request_id, None)
         if placed is not None and placed[1] in self.decode:
             self.decode[placed[1]].reserved.pop(request_id, None)
@@ -503,10 +516,38 @@ class Dispatcher:
         if len(every) > len(idle):
             slack = min(self.summaries[rid].ttft_deadline for rid in plan.request_ids) - now
             alone = plan.real_tokens * self.pace.seconds_per_token
-            if pause_decode_for(alone, slack, 1, len(every), lending.pause_decode_ms / 1e3):
+            pause = widened_s(alone, 1, len(every))
+            busy = [did for did in every if did not in idle]
+            decoding = self._decoding_ids(busy)
+            if pause_decode_for(alone, slack, 1, len(every), lending.pause_decode_ms / 1e3) and all(
+                pause_fits_tpot(
+                    pause,
+                    [self._pause_account(rid) for rid in decoding[did]],
+                    self._decode_step_s.get(did, 0.0),
+                )
+                for did in busy
+            ):
+                for rids in decoding.values():
+                    for rid in rids:
+                        self._paused_s[rid] = self._paused_s.get(rid, 0.0) + pause
                 self.decode_pausing_batches += 1
                 return tuple(every)
         return tuple(idle)
+
+    def _decoding_ids(self, worker_ids: list[str]) -> dict[str, list[str]]:
+        """The requests each of these decode workers decodes now (see ``_decoding``)."""
+        batches = [*self.prefill.values(), *self.decode.values()]
+        in_prefill = {rid for w in batches for rids in w.outstanding.values() for rid in rids}
+        return {
+            did: [rid for rid in self.decode[did].reserved if rid not in in_prefill] for did in worker_ids
+        }
+
+    def _pause_account(self, request_id: str) -> tuple[float, float | None, int]:
+        """(seconds paused so far, TPOT target in seconds or None, most output tokens) of a request decoding."""
+        s = self.summaries.get(request_id)
+        tpot_ms = s.tpot_slo_ms if s is not None else None
+        max_tokens = s.max_tokens if s is not None else 1
+        return self._paused_s.get(request_id, 0.0), None if tpot_ms is None else tpot_ms / 1e3, max_tokens
 
     def _held(self, worker_id: str, now: float) -> bool:
         """The decode worker refused a request as full less than ``full_hold_s`` ago."""
@@ -521,11 +562,7 @@ class Dispatcher:
     def _decoding(self) -> dict[str, int]:
         """Requests each decode worker decodes now: those it holds whose prompts are no longer in a prompt batch
         (requests still being prefilled, elsewhere or in its own lent batch, join its steps later)."""
-        batches = [*self.prefill.values(), *self.decode.values()]
-        in_prefill = {rid for w in batches for rids in w.outstanding.values() for rid in rids}
-        return {
-            w.worker_id: sum(1 for rid in w.reserved if rid not in in_prefill) for w in self.decode.values()
-        }
+        return {did: len(rids) for did, rids in self._decoding_ids(list(self.decode)).items()}
 
     def _dispatch(
         self, plan: BatchPlan, p: WorkerLedger, d: WorkerLedger, borrowed: tuple[str, ...] = ()

@@ -24,7 +24,8 @@ core of a 2-core host misses a TTFT target that it meets on both (`small`: 1,500
 0.53 s on two). When the batch starts at once and leaves nothing queued, its forward on its own cores would end past
 its most urgent TTFT deadline, on the widened cores would not, and would pause the decodes for at most
 ``pause_decode_ms``, the decode workers beside it stop stepping for that forward pass (``worker/core_gate.py``). Each
-request decoding there waits that long once between two of its tokens: a few ms on its time per output token.
+request decoding there waits that long once between two of its tokens; the TPOT targets stay the guard: the pauses a
+request takes over its life may use at most half of its TPOT slack (``pause_fits_tpot``).
 
 Pure functions over ints: no Ray, no torch, no clock.
 """
@@ -124,3 +125,16 @@ def pause_decode_for(
         return False
     widened = widened_s(forward_alone_s, own, borrowed)
     return forward_alone_s > slack_s and widened <= min(slack_s, max_pause_s)
+
+
+def pause_fits_tpot(pause_s: float, decoding: list[tuple[float, float | None, int]], step_s: float) -> bool:
+    """Whether every request decoding on a worker can take one more pause of ``pause_s``: each is (seconds it has
+    been paused already, its TPOT target in seconds or None for none, its most output tokens). Over its life a
+    request's pauses may use at most half its TPOT slack, ``(target - step_s) x (max_tokens - 1) / 2``, where
+    ``step_s`` is the worker's decode step (0 when unknown); the other half is left to the load."""
+    for paused, tpot_s, max_tokens in decoding:
+        if tpot_s is None:
+            continue
+        if paused + pause_s > 0.5 * max(0.0, tpot_s - step_s) * max(1, max_tokens - 1):
+            return False
+    return True

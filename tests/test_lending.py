@@ -11,6 +11,7 @@ from bucket_manager.lending import (
     batch_token_budget,
     lend_instead,
     pause_decode_for,
+    pause_fits_tpot,
     widened_s,
 )
 from bucket_manager.memory_budget import blocks_for
@@ -233,11 +234,24 @@ def test_a_batch_pauses_busy_decodes_only_when_that_turns_a_miss_into_a_hit() ->
         LendingPolicy(pause_decode_ms=-1)
 
 
-def _busy_next_door(policy: LendingPolicy = ON):
+def test_the_pauses_a_request_takes_stay_within_half_its_tpot_slack() -> None:
+    # A 50 ms target, 20 ms steps, 65 tokens: (0.05 - 0.02) x 64 / 2 = 0.96 s of pauses over its life.
+    assert pause_fits_tpot(0.5, [(0.0, 0.05, 65)], 0.02)
+    assert pause_fits_tpot(0.46, [(0.5, 0.05, 65)], 0.02)
+    assert not pause_fits_tpot(0.5, [(0.5, 0.05, 65)], 0.02), "its budget is spent"
+    assert not pause_fits_tpot(0.2, [(0.0, 0.05, 5)], 0.02), "a short answer has little slack to give"
+    assert not pause_fits_tpot(0.01, [(0.0, 0.05, 65)], 0.06), "its steps alone already miss the target"
+    assert pause_fits_tpot(5.0, [(9.0, None, 65)], 0.02), "no TPOT target: no limit"
+    assert not pause_fits_tpot(0.5, [(0.0, None, 65), (0.0, 0.05, 5)], 0.02), (
+        "every request decoding there counts"
+    )
+
+
+def _busy_next_door(policy: LendingPolicy = ON, **decoding):
     """A dispatcher whose prefill worker runs 1 ms a token on its own core and whose neighbour d0 decodes r0."""
     d = dispatcher(lending=policy, core_neighbours=NEXT_DOOR)
     d.pace.observe(1000, 1.0)
-    d.submit(req(0, prompt=64, out=64))
+    d.submit(req(0, prompt=64, **({"out": 64} | decoding)))
     [first] = d.plan(0.0)
     d.batch_done("p0", first.batch_id)  # r0 decodes on d0 now
     return d
@@ -263,6 +277,27 @@ def test_a_long_prompt_borrows_a_busy_decode_workers_cores_when_it_needs_them(
     assert batch.prefill_id == "p0" and not batch.lent
     assert batch.borrowed == (("d0",) if pauses else ())
     assert d.state()["decode_pausing_batches"] == int(pauses)
+
+
+def test_the_decoding_requests_tpot_targets_bound_the_pauses() -> None:
+    # r0: 50 ms TPOT target, 64 tokens, steps of 10 ms: (0.05 - 0.01) x 63 / 2 = 1.26 s of pauses; each 800-token
+    # prompt pauses d0 for 0.44 s (0.8 s alone, widened), so two fit and the third keeps to the prefill core.
+    d = _busy_next_door(tpot_slo_ms=50.0)
+    d.update_stats({}, (), {"d0": 0.01})
+    borrowed = []
+    for i in range(1, 4):
+        d.submit(req(i, prompt=800, out=16, arrival=float(i), ttft_slo_ms=600.0))
+        [batch] = d.plan(float(i))
+        borrowed.append(batch.borrowed)
+        d.batch_done("p0", batch.batch_id)
+        d.forget(f"r{i}")  # it ended: only r0 stays decoding on d0
+    assert borrowed == [("d0",), ("d0",), ()]
+    assert d.state()["decode_pausing_batches"] == 2
+    # A request with a short answer has almost no slack to give: no pause at all.
+    d = _busy_next_door(out=8, tpot_slo_ms=50.0)
+    d.submit(req(1, prompt=800, out=16, arrival=1.0, ttft_slo_ms=600.0))
+    [batch] = d.plan(1.0)
+    assert batch.borrowed == ()
 
 
 def test_a_long_prompt_that_waited_has_less_slack() -> None:

@@ -516,22 +516,21 @@ class Dispatcher:
         if len(every) > len(idle):
             slack = min(self.summaries[rid].ttft_deadline for rid in plan.request_ids) - now
             alone = plan.real_tokens * self.pace.seconds_per_token
-            pause = widened_s(alone, 1, len(every))
-            busy = [did for did in every if did not in idle]
-            decoding = self._decoding_ids(busy)
-            if pause_decode_for(alone, slack, 1, len(every), lending.pause_decode_ms / 1e3) and all(
-                pause_fits_tpot(
-                    pause,
-                    [self._pause_account(rid) for rid in decoding[did]],
-                    self._decode_step_s.get(did, 0.0),
-                )
-                for did in busy
-            ):
-                for rids in decoding.values():
-                    for rid in rids:
-                        self._paused_s[rid] = self._paused_s.get(rid, 0.0) + pause
-                self.decode_pausing_batches += 1
-                return tuple(every)
+            if pause_decode_for(alone, slack, 1, len(every), lending.pause_decode_ms / 1e3):
+                # Only for a batch that needs the cores: who decodes there, and whether their TPOT targets allow it.
+                pause = widened_s(alone, 1, len(every))
+                decoding = self._decoding_ids([did for did in every if did not in idle])
+                if all(
+                    pause_fits_tpot(
+                        pause, [self._pause_account(rid) for rid in rids], self._decode_step_s.get(did, 0.0)
+                    )
+                    for did, rids in decoding.items()
+                ):
+                    for rids in decoding.values():
+                        for rid in rids:
+                            self._paused_s[rid] = self._paused_s.get(rid, 0.0) + pause
+                    self.decode_pausing_batches += 1
+                    return tuple(every)
         return tuple(idle)
 
     def _decoding_ids(self, worker_ids: list[str]) -> dict[str, list[str]]:

@@ -29,7 +29,7 @@ from monitor.records import BatchRecord
 from worker.actor import EngineWorker
 from worker.config import WorkerConfig, layer_streaming
 from worker.core_gate import CoreGate
-from worker.cores import borrowed_cores
+from worker.cores import borrowed_cores, extra_cores
 from worker.info import DecodePeer
 from worker.messages import MessageRef, PrefilledMessage, RequestMessage
 
@@ -57,9 +57,8 @@ class PrefillWorker(EngineWorker):
             tuple[int, list[tuple[RequestMessage, str]], float | None, tuple[int, ...]]
         ] = collections.deque()
         self._core_shared = 0  # batches that ran on borrowed cores too
-        self._gates: dict[
-            tuple[int, ...], CoreGate
-        ] = {}  # borrowed cores -> their gate, opened once (loop only)
+        # Borrowed cores -> their gate, opened once (loop only).
+        self._gates: dict[tuple[int, ...], CoreGate] = {}
         self._in_progress = 0  # batches taken off the queue whose transfers are not all done
         # Every batch held here, queued or in progress, until its batch_done: what a restarted controller adopts.
         self._held: dict[int, list[tuple[RequestMessage, str]]] = {}
@@ -181,7 +180,7 @@ class PrefillWorker(EngineWorker):
     def _gate(self, cores: tuple[int, ...]) -> CoreGate:
         """The gate of the cores a batch borrows (a no-op gate when it borrows none, or this worker is not pinned:
         then no core is widened onto either)."""
-        key = tuple(sorted(set(cores) - set(self.cores))) if self.cores else ()
+        key = tuple(sorted(set(extra_cores(self.cores, cores)))) if self.cores else ()
         gate = self._gates.get(key)
         if gate is None:
             gate = self._gates[key] = CoreGate(key)

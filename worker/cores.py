@@ -32,6 +32,11 @@ def pin_process(num_threads: int, cpu_affinity: tuple[int, ...]) -> tuple[int, .
     return ()
 
 
+def extra_cores(own: tuple[int, ...], borrowed: tuple[int, ...]) -> tuple[int, ...]:
+    """The borrowed cores that are not already the worker's own, in the order given."""
+    return tuple(c for c in borrowed if c not in own)
+
+
 @contextlib.contextmanager
 def borrowed_cores(own: tuple[int, ...], num_threads: int, borrowed: tuple[int, ...]) -> Iterator[int]:
     """Run the calling thread's torch work on ``own`` plus ``borrowed`` cores, one more thread per borrowed core,
@@ -39,7 +44,7 @@ def borrowed_cores(own: tuple[int, ...], num_threads: int, borrowed: tuple[int, 
     for a worker that is not pinned (``own`` empty), for no core borrowed, or off Linux."""
     import torch
 
-    extra = tuple(c for c in borrowed if c not in own)
+    extra = extra_cores(own, borrowed)
     if not own or not extra or not hasattr(os, "sched_setaffinity"):
         yield num_threads
         return

@@ -27,6 +27,11 @@ its most urgent TTFT deadline, on the widened cores would not, and would pause t
 request decoding there waits that long once between two of its tokens; the TPOT targets stay the guard: the pauses a
 request takes over its life may use at most half of its TPOT slack (``pause_fits_tpot``).
 
+Colocated workers of one node lend each other their cores the same way, each deciding for its own next step from
+what its neighbours post (``colocated_borrow``, ``worker/neighbour_cores.py``): a step with a long prompt chunk runs
+on the idle neighbours' cores too, and pauses neighbours that only decode when its most urgent prompt needs them
+and their requests' TPOT allowance has room for the pause.
+
 Pure functions over ints: no Ray, no torch, no clock.
 """
 
@@ -138,3 +143,47 @@ def pause_fits_tpot(pause_s: float, decoding: list[tuple[float, float | None, in
         if paused + pause_s > 0.5 * max(0.0, tpot_s - step_s) * max(1, max_tokens - 1):
             return False
     return True
+
+
+@dataclass(frozen=True)
+class Neighbour:
+    """A colocated worker beside the one about to step, as its post says (``worker/core_board.py``)."""
+
+    prompt_tokens: int  # prompt tokens it has yet to compute
+    decoding: int  # requests it decodes
+    pause_room_s: float  # how long its decodes can wait from now (inf: no TPOT target)
+
+
+def colocated_borrow(
+    prompt_tokens: int,
+    step_alone_s: float,
+    remaining_alone_s: float,
+    slack_s: float,
+    own: int,
+    neighbours: list[Neighbour],
+    max_pause_s: float,
+    min_tokens: int,
+) -> list[int]:
+    """Which neighbours' cores a colocated worker's next step runs on besides its ``own`` (indices into
+    ``neighbours``). A step with at least ``min_tokens`` prompt tokens borrows every idle neighbour (nothing to
+    compute, nothing decoding). It also pauses the neighbours that only decode when its most urgent prompt needs
+    them: the rest of that prompt's forward (``remaining_alone_s`` on the worker's own cores) would end past its
+    TTFT deadline (``slack_s`` from now) on the cores it has so far and on the widened cores would not, and this
+    step on the widened cores (``step_alone_s`` on its own) pauses them for at most ``max_pause_s`` and within each
+    one's room. Unknown times (0) pause nobody. A neighbour with prompt work of its own is never borrowed: it needs
+    its cores for that."""
+    if prompt_tokens < min_tokens or own < 1:
+        return []
+    chosen = [i for i, n in enumerate(neighbours) if n.prompt_tokens == 0 and n.decoding == 0]
+    busy = [i for i, n in enumerate(neighbours) if n.prompt_tokens == 0 and n.decoding > 0]
+    if not busy or not max_pause_s > 0 or not (step_alone_s > 0 and remaining_alone_s > 0):
+        return chosen
+    if widened_s(remaining_alone_s, own, len(chosen)) <= slack_s:
+        return chosen  # on time without pausing anyone
+    every = len(chosen) + len(busy)
+    if widened_s(remaining_alone_s, own, every) > slack_s:
+        return chosen  # late even so: not worth the decodes' time
+    pause = widened_s(step_alone_s, own, every)
+    if pause > max_pause_s or any(neighbours[i].pause_room_s < pause for i in busy):
+        return chosen
+    return sorted(chosen + busy)

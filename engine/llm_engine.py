@@ -8,11 +8,13 @@ and a decode worker (:meth:`admit_prefilled` + :meth:`step`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -51,6 +53,12 @@ logger = logging.getLogger(__name__)
 
 # KV memory backed at start-up (KVCache.prefault): the working set of the first requests, 2,048 blocks of `small`.
 KV_PREFAULT_BYTES = 512 * 2**20
+
+
+@contextlib.contextmanager
+def own_cores(items: Sequence[tuple[Request, int]]) -> Iterator[float]:
+    """The default :attr:`LLMEngine.compute_cores`: a forward pass runs on the engine's own threads (speed-up 1)."""
+    yield 1.0
 
 
 class LLMEngine:
@@ -143,8 +151,16 @@ class LLMEngine:
         # Overlapped decode (see engine.pending_step): the step in flight whose tokens the host has not read.
         self._overlap = cfg.overlap_decode == "on" and isinstance(self.runner, FlatRunner)
         self._pending: PendingStep | None = None
-        # The TPOT guard's estimates of what a step costs (flat policy; engine/tpot_guard.py).
-        self.step_clock = StepClock() if sched.tpot_guard else None
+        # What a step costs (flat policy; engine/tpot_guard.py): the TPOT guard's estimates when it is on, and a
+        # colocated worker's when it decides whether to borrow its neighbours' cores (worker/colocated.py).
+        self.step_clock = StepClock()
+        self._tpot_guard = sched.tpot_guard
+        # Held around every forward pass with its (request, new tokens): the cores it runs on. A colocated worker
+        # sets it (its own cores' gate, or its neighbours' cores too); it yields the pass's speed-up over the
+        # engine's own threads, which the step clock divides out.
+        self.compute_cores: Callable[[Sequence[tuple[Request, int]]], AbstractContextManager[float]] = (
+            own_cores
+        )
         self.warmup_report: dict[str, float] = {}
         if not cfg.skip_warmup:
             self.warmup_report = self.runner.warmup(graph_memory_budget=plan.graph_reserve_bytes or None)
@@ -349,7 +365,9 @@ class LLMEngine:
         ahead = tokens is not None
         for r in reqs:
             self._grow(r, r.num_tokens + ahead)
-        logits = self.runner.decode_ahead(reqs, tokens) if ahead else self.runner.decode(reqs)  # [B, vocab]
+        with self.compute_cores([(r, 1) for r in reqs]):
+            # [B, vocab]
+            logits = self.runner.decode_ahead(reqs, tokens) if ahead else self.runner.decode(reqs)
         for r in reqs:
             r.num_computed_tokens += 1
         self.stats["decode_steps"] += 1
@@ -402,7 +420,10 @@ class LLMEngine:
                 self.running.append(r)
             self._grow(r, r.num_computed_tokens + n)
             items.append((r, n))
-        logits, sampled = self.runner.run(items)
+        with self.compute_cores(items) as speedup:
+            forward_start = time.perf_counter()
+            logits, sampled = self.runner.run(items)
+            forward_s = (time.perf_counter() - forward_start) * speedup
         decodes = sum(1 for r, n in items if n == 1 and r.num_generated_tokens > 0)
         prompt = sum(n for r, n in items) - decodes
         self.stats["decode_steps"] += 1 if decodes else 0
@@ -413,8 +434,8 @@ class LLMEngine:
         for r, n in items:
             r.num_computed_tokens += n
         tokens, logprobs = self.sampler(logits, sampled)
-        if self.step_clock is not None:
-            self.step_clock.observe(time.perf_counter() - started, decodes, prompt)
+        # Planned on one's own cores: the planning, and the forward as it would have taken there.
+        self.step_clock.observe(forward_start - started + forward_s, decodes, prompt)
         outs = []
         for i, r in enumerate(sampled):
             outs.append(self._append(r, tokens[i], logprobs[i] if logprobs else None))
@@ -425,18 +446,23 @@ class LLMEngine:
 
     def _prompt_cap(self) -> int | None:
         """The TPOT guard's cap on the next step's prompt tokens (None: none), from the requests decoding now."""
-        clock = self.step_clock
-        if clock is None or not self.running:
+        if not self._tpot_guard or not self.running:
             return None
-        now = time.monotonic()
-        decodes = [
+        clock = self.step_clock
+        return prompt_token_cap(
+            self.tpot_allowance_s(time.monotonic()), clock.decode_step_s, clock.prompt_s_per_token
+        )
+
+    def tpot_allowance_s(self, now: float) -> float | None:
+        """How long the next step may take (from ``now``, ``time.monotonic()``) so that every request decoding
+        with a TPOT target keeps its average within the guard's margin of it; None when none sets a target."""
+        return step_allowance_s(
             DecodeClock(r.slo_tpot_ms / 1e3, r.num_generated_tokens - 1, now - r.first_token_time)
             for r in self.running
             if r.slo_tpot_ms is not None
             and r.first_token_time is not None
             and r.num_computed_tokens + 1 == r.num_tokens
-        ]
-        return prompt_token_cap(step_allowance_s(decodes), clock.decode_step_s, clock.prompt_s_per_token)
+        )
 
     def _step_buckets(self) -> list[RequestOutput]:
         """A prefill step or a decode step, each padded to a warmed shape bucket."""
@@ -491,7 +517,8 @@ class LLMEngine:
             self._grow(r, r.num_tokens)
 
     def _run_prefill(self, reqs: list[Request]) -> list[RequestOutput]:
-        outs = self.prefill_only(reqs)
+        with self.compute_cores([(r, r.num_tokens - r.num_computed_tokens) for r in reqs]):
+            outs = self.prefill_only(reqs)
         for r in reqs:
             if r.finished:
                 self._release(r)
@@ -518,7 +545,8 @@ class LLMEngine:
     def _run_decode(self, reqs: list[Request]) -> list[RequestOutput]:
         for r in reqs:
             self._grow(r, r.num_tokens)
-        logits = self.runner.decode(reqs)
+        with self.compute_cores([(r, 1) for r in reqs]):
+            logits = self.runner.decode(reqs)
         self.stats["decode_steps"] += 1
         tokens, logprobs = self.sampler(logits, reqs)
         outs = []

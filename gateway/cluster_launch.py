@@ -354,7 +354,8 @@ def check_placement(config: ClusterConfig) -> None:
 
 
 def _cores(role: str, index: int, config: ClusterConfig) -> tuple[int, ...]:
-    """Prefill workers take cores from the front, decode workers from the back, so they never share one."""
+    """Prefill workers take cores from the front, decode workers from the back, so they never share one; colocated
+    workers take equal shares in order."""
     if not config.pin_cores:
         return ()
     n = os.cpu_count() or 1
@@ -362,7 +363,19 @@ def _cores(role: str, index: int, config: ClusterConfig) -> tuple[int, ...]:
         return (index % n,)
     if role == "decode":
         return ((n - 1 - index) % n,)
-    return ()
+    # Colocated: a share of the cores each, while the shares fit the node (beyond that, unpinned).
+    t = config.worker_threads()
+    if (index + 1) * t > n:
+        return ()
+    return tuple(range(index * t, (index + 1) * t))
+
+
+def _neighbour_cores(role: str, index: int, config: ClusterConfig) -> tuple[int, ...]:
+    """A colocated worker's neighbours' cores, which its long prompt chunks may borrow (``share_cores``)."""
+    if role != "colocated" or not config.share_cores or not _cores(role, index, config):
+        return ()
+    others = (_cores(role, i, config) for i in range(config.colocated_workers) if i != index)
+    return tuple(sorted(c for cores in others for c in cores))
 
 
 # tqdm (transformers' loading bars, the engine's warm-up bar) reads TQDM_DISABLE when it is imported, so it is
@@ -411,6 +424,8 @@ def start_worker(
         cpu_affinity=_cores(role, index, config),
         joins=joins,
         cpu_step_tokens=config.colocated_cpu_step_tokens if role == "colocated" else None,
+        neighbour_cores=_neighbour_cores(role, index, config),
+        pause_neighbours_ms=config.pause_decode_ms if role == "colocated" else 0,
     )
     return (
         ray.remote(_CLASSES[role])

@@ -132,3 +132,43 @@ def test_the_gate_files_are_per_core_and_private(tmp_path, cores) -> None:
     assert names == sorted([f"core-{c}.lock" for c in cores] + [f"core-{c}.turn" for c in cores])
     assert (os.stat(tmp_path / "gates").st_mode & 0o777) == 0o700
     gate.close()
+
+
+def test_two_workers_that_borrow_each_others_cores_never_deadlock_nor_overlap(tmp_path) -> None:
+    """Colocated workers (worker/neighbour_cores.py): each steps on its own core and now and then borrows both;
+    a widened step takes the gates of all its cores as one borrower, so two that widen at once queue."""
+    own = {"a": (0,), "b": (1,)}
+    running: dict[str, set[int]] = {"a": set(), "b": set()}
+    overlaps, counts = [], {"a": 0, "b": 0}
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def worker(name: str) -> None:
+        plain, wide = CoreGate(own[name], str(tmp_path)), CoreGate((0, 1), str(tmp_path))
+        i = 0
+        while not stop.is_set():
+            cores, cm = ((0, 1), wide.borrow()) if i % 3 == 0 else (own[name], plain.step())
+            with cm:
+                with lock:
+                    other = running["b" if name == "a" else "a"]
+                    if other & set(cores):
+                        overlaps.append((name, cores, set(other)))
+                    running[name] = set(cores)
+                time.sleep(0.003)
+                with lock:
+                    running[name] = set()
+                    counts[name] += 1
+            i += 1
+        plain.close()
+        wide.close()
+
+    threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads), "deadlocked"
+    assert overlaps == []
+    assert min(counts.values()) > 20, counts

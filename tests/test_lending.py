@@ -8,7 +8,9 @@ from test_dispatcher import BS, dispatcher, req
 
 from bucket_manager.lending import (
     LendingPolicy,
+    Neighbour,
     batch_token_budget,
+    colocated_borrow,
     lend_instead,
     pause_decode_for,
     pause_fits_tpot,
@@ -336,3 +338,52 @@ def test_the_neighbours_are_validated() -> None:
         dispatcher(core_neighbours=(("p0", "d0"),))
     with pytest.raises(ValueError, match="LendingPolicy.share_cores must be a bool"):
         LendingPolicy(share_cores=1)
+
+
+IDLE = Neighbour(prompt_tokens=0, decoding=0, pause_room_s=float("inf"))
+PROMPTING = Neighbour(prompt_tokens=300, decoding=0, pause_room_s=float("inf"))
+
+
+def _decoding(room_s: float = 10.0) -> Neighbour:
+    return Neighbour(prompt_tokens=0, decoding=2, pause_room_s=room_s)
+
+
+def _colocated(neighbours: list[Neighbour], **kw) -> list[int]:
+    """A 512-token chunk of a 1,500-token prompt at 0.7 ms a token (0.36 s alone, 0.2 s on two cores; the rest
+    1.05 s alone, 0.58 s on two), with an 800 ms TTFT target: late on one core, on time on two."""
+    args = dict(
+        prompt_tokens=512,
+        step_alone_s=0.36,
+        remaining_alone_s=1.05,
+        slack_s=0.8,
+        own=1,
+        neighbours=neighbours,
+        max_pause_s=0.8,
+        min_tokens=128,
+    )
+    return colocated_borrow(**{**args, **kw})
+
+
+def test_a_colocated_step_borrows_idle_neighbours_whenever_its_prompt_chunk_is_long() -> None:
+    assert _colocated([IDLE, PROMPTING, IDLE]) == [0, 2]
+    assert _colocated([IDLE], slack_s=float("inf"), remaining_alone_s=0.0, step_alone_s=0.0) == [0], (
+        "an idle neighbour lends even without a target or a known pace"
+    )
+    assert _colocated([IDLE], prompt_tokens=100) == [], "a short chunk keeps to its own cores"
+    assert _colocated([PROMPTING]) == [], "a neighbour with prompt work keeps its cores"
+
+
+def test_a_colocated_step_pauses_a_decoding_neighbour_only_when_its_prompt_needs_it() -> None:
+    assert _colocated([_decoding()]) == [0]
+    assert _colocated([_decoding()], slack_s=2.0) == [], "on time alone: nobody paused"
+    assert _colocated([_decoding()], slack_s=0.4) == [], "late even on two cores: not worth the decodes' time"
+    assert _colocated([_decoding(room_s=0.1)]) == [], (
+        "the neighbour's requests have no room for a 0.2 s pause"
+    )
+    assert _colocated([_decoding()], max_pause_s=0.1) == [], "the step would pause longer than allowed"
+    assert _colocated([_decoding()], max_pause_s=0.0) == [], "pausing off"
+    assert _colocated([_decoding()], step_alone_s=0.0, remaining_alone_s=0.0) == [], "pace unknown"
+    # An idle neighbour's core is taken first; the decoding one is paused only if that is not enough.
+    three = dict(remaining_alone_s=1.5, step_alone_s=0.36, slack_s=0.8)
+    assert _colocated([IDLE, _decoding()], **three) == [0, 1]  # 0.83 s on two cores, 0.56 s on three
+    assert _colocated([IDLE, _decoding()], remaining_alone_s=1.05) == [0]  # 0.58 s on two: on time

@@ -16,6 +16,7 @@ from engine.request import FinishReason, PriorityClass, Request, RequestOutput, 
 from worker.actor import EngineWorker
 from worker.config import WorkerConfig
 from worker.messages import RequestMessage
+from worker.neighbour_cores import NeighbourCores
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,17 @@ class ColocatedWorker(EngineWorker):
         config = with_step_budget(config, get_device(config.engine.device).name)
         super().__init__(config)
         self.engine.waiting_key = admission_order
+        # Cores lent between the colocated workers of a node for long prompt chunks (None: not pinned, or alone).
+        self._sharing: NeighbourCores | None = None
+        if self.cores and config.neighbour_cores:
+            self._sharing = NeighbourCores(
+                self.engine,
+                self.cores,
+                config.num_threads,
+                config.neighbour_cores,
+                config.pause_neighbours_ms / 1e3,
+            )
+            self.engine.compute_cores = self._sharing
         self._inbox: queue.SimpleQueue[tuple[str, object, threading.Event | None]] = queue.SimpleQueue()
         self._consumer: dict[str, str] = {}
         self._start(self._loop)
@@ -61,11 +73,21 @@ class ColocatedWorker(EngineWorker):
         return done.wait(wait_s)
 
     def stats(self) -> dict:
-        return {**super().stats(), "waiting": len(self.engine.waiting)}
+        sharing = self._sharing
+        return {
+            **super().stats(),
+            "waiting": len(self.engine.waiting),
+            "core_shared_steps": sharing.widened_steps if sharing else 0,
+            "neighbour_pausing_steps": sharing.pausing_steps if sharing else 0,
+            # What a prompt token costs this worker on its own cores (0: not measured yet).
+            "prompt_s_per_token": self.engine.step_clock.prompt_s_per_token or 0.0,
+        }
 
     def shutdown(self) -> None:
         self._close()
         self._thread.join(timeout=5)
+        if self._sharing is not None:
+            self._sharing.close()
 
     # ------------------------------------------------------------------ loop
     def _loop(self) -> None:
@@ -79,6 +101,8 @@ class ColocatedWorker(EngineWorker):
                 elif not idle_checked:
                     self._check_integrity()
                     idle_checked = True
+                    if self._sharing is not None:
+                        self._sharing.post()  # idle: its cores are free to lend
             except Exception:
                 logger.exception("colocated loop error")
                 time.sleep(0.05)
@@ -101,6 +125,8 @@ class ColocatedWorker(EngineWorker):
             try:
                 self.engine.add_request(payload.to_request())
                 self._consumer[payload.request_id] = payload.consumer_id
+                if self._sharing is not None:
+                    self._sharing.post()  # a prompt to compute: its cores are no longer free to lend
             except (RequestRejected, ValueError) as e:
                 err = RequestOutput(
                     payload.request_id, [], [], True, FinishReason.ERROR, payload.num_prompt_tokens, 0, str(e)

@@ -43,6 +43,11 @@ class WorkerConfig:
     # Colocated, on a CPU: the engine's step token budget, in place of the engine config's (None: that one).
     # ``serve`` sets it where --max-num-batched-tokens is not given (engine.config.COLOCATED_CPU_STEP_TOKENS).
     cpu_step_tokens: int | None = None
+    # Colocated: cores of the other colocated workers pinned beside this one, whose cores a step with a long prompt
+    # chunk may run on too (worker/neighbour_cores.py); empty: its own cores only.
+    neighbour_cores: tuple[int, ...] = ()
+    # Colocated: the longest such a step may pause a neighbour that is decoding (0: only idle neighbours lend).
+    pause_neighbours_ms: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.worker_id, str) or not self.worker_id:
@@ -62,8 +67,13 @@ class WorkerConfig:
             if not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"WorkerConfig.{name} must be > 0, got {value!r}")
         check_optional_count(self, "cpu_step_tokens")
-        if any(not isinstance(c, int) or c < 0 for c in self.cpu_affinity):
-            raise ValueError(f"WorkerConfig.cpu_affinity must be core ids >= 0, got {self.cpu_affinity!r}")
+        for name in ("cpu_affinity", "neighbour_cores"):
+            cores = getattr(self, name)
+            if not isinstance(cores, tuple) or any(not isinstance(c, int) or c < 0 for c in cores):
+                raise ValueError(f"WorkerConfig.{name} must be a tuple of core ids >= 0, got {cores!r}")
+        p = self.pause_neighbours_ms
+        if not isinstance(p, int) or isinstance(p, bool) or p < 0:
+            raise ValueError(f"WorkerConfig.pause_neighbours_ms must be an int >= 0, got {p!r}")
 
 
 def _is_count(value: object) -> bool:

@@ -1,8 +1,9 @@
 """A worker's compute: the torch threads it runs and the cores it may run on, and cores it borrows for a while.
 
 A worker pins its process to its own cores at start (Linux only). A prefill worker may run one batch on the cores of
-idle decode workers beside it (the controller says which, ``bucket_manager/lending.py``): its loop thread widens
-its own affinity and thread count for that batch and narrows them again right after the forward pass. OpenMP's
+idle decode workers beside it (the controller says which, ``bucket_manager/lending.py``), and a colocated worker a
+step on its neighbours' (``worker/neighbour_cores.py``): its loop thread widens its own affinity and thread count
+for that batch and narrows them again right after the forward pass. OpenMP's
 worker threads inherit the affinity of the thread that creates them, so the first widened batch creates them free
 to run on the borrowed cores; between borrowed batches they sleep, and the forward runs on the loop thread alone.
 """

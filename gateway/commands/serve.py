@@ -83,7 +83,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default="on",
         choices=["on", "off"],
         help="disaggregated, with --elastic on: a prompt batch runs on the cores of the idle decode workers pinned "
-        "beside its prefill worker too (a lone prompt prefills on every core of the node)",
+        "beside its prefill worker too (a lone prompt prefills on every core of the node); colocated: a step with a "
+        "long prompt chunk runs on the cores of the idle colocated workers beside it too",
     )
     p.add_argument(
         "--pause-decode-ms",
@@ -91,7 +92,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=800,
         help="disaggregated, with --share-cores on: a prompt batch that would miss its TTFT target on its prefill "
         "worker's cores alone, and meet it on the cores of the busy decode workers beside it too, pauses those "
-        "decode workers for its forward pass when that takes at most this many ms (0: only idle ones lend)",
+        "decode workers for its forward pass when that takes at most this many ms (0: only idle ones lend); "
+        "colocated: the same for a step's prompt chunk and the colocated workers beside it that only decode",
     )
     p.add_argument(
         "--online-order",

@@ -370,12 +370,17 @@ def _cores(role: str, index: int, config: ClusterConfig) -> tuple[int, ...]:
     return tuple(range(index * t, (index + 1) * t))
 
 
-def _neighbour_cores(role: str, index: int, config: ClusterConfig) -> tuple[int, ...]:
-    """A colocated worker's neighbours' cores, which its long prompt chunks may borrow (``share_cores``)."""
+def _neighbour_cores(role: str, index: int, config: ClusterConfig) -> tuple[tuple[int, str], ...]:
+    """(core, owner's actor name) of a colocated worker's neighbours, whose cores its long prompt chunks may borrow
+    (``share_cores``)."""
     if role != "colocated" or not config.share_cores or not _cores(role, index, config):
         return ()
-    others = (_cores(role, i, config) for i in range(config.colocated_workers) if i != index)
-    return tuple(sorted(c for cores in others for c in cores))
+    return tuple(
+        (c, config.actor_name(role, i))
+        for i in range(config.colocated_workers)
+        if i != index
+        for c in _cores(role, i, config)
+    )
 
 
 # tqdm (transformers' loading bars, the engine's warm-up bar) reads TQDM_DISABLE when it is imported, so it is

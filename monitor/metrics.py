@@ -179,7 +179,7 @@ def _request_families(totals: dict[str, float], model_name: str) -> Iterable[Met
     )
     lent_cores = CounterMetricFamily(
         PREFIX + "lent_core_batches",
-        "Prefill batches that ran on a decode worker's cores too: an idle one's, or a busy one's paused for a prompt that needed them (elastic prefill, serve --share-cores on).",
+        "Prefill batches that ran on a decode worker's cores too: an idle one's, or a busy one's paused for a prompt that needed them (elastic prefill, serve --share-cores on); colocated: steps of a neighbour that ran on this worker's cores too.",
         labels=["model_name", "worker"],
     )
     for worker, counts in sorted(accounting.decode_lent(totals).items()):

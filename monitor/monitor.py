@@ -81,7 +81,8 @@ class Monitor:
         self.store.add_lent_batch(worker_id, prompts)
 
     def record_core_lend(self, worker_id: str) -> None:
-        """A prefill batch ran on decode worker ``worker_id``'s cores too (idle, or paused) (``lent_core_batches_total{worker}``)."""
+        """A prefill batch ran on decode worker ``worker_id``'s cores too (idle, or paused), or a colocated worker's
+        step on colocated worker ``worker_id``'s (``lent_core_batches_total{worker}``)."""
         self.store.add_core_lend(worker_id)
 
     def record_batch(self, rec: BatchRecord) -> None:

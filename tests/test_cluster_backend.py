@@ -419,6 +419,20 @@ def test_without_elastic_prefill_every_prompt_goes_to_the_prefill_worker(ray_ses
         asyncio.run(backend.shutdown())
 
 
+def with_small_model(config):
+    """``config`` serving `small` (prompts up to 2,048 tokens, 256 KV blocks): its forward passes take hundreds of
+    ms, long enough for the cores-lending estimates to decide rather than timing noise."""
+    engine = dataclasses.replace(
+        config.engine,
+        model="small",
+        scheduler=dataclasses.replace(
+            config.engine.scheduler, max_model_len=2048, max_num_batched_tokens=2048
+        ),
+        cache=dataclasses.replace(config.engine.cache, num_blocks=256),
+    )
+    return dataclasses.replace(config, engine=engine)
+
+
 def needy_prompt_beside_a_decode(backend, reference, pace: float, min_prompt: int) -> None:
     """While a request decodes a long answer, send a prompt whose forward takes 0.9 s alone at ``pace`` (0.5 s on
     two cores, inside the 800 ms pause limit), however fast this machine is right now (1,400 tokens at 0.65 ms a
@@ -456,15 +470,7 @@ def test_a_long_prompt_that_needs_both_cores_pauses_the_busy_decode_worker(ray_s
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one core: nothing to borrow (prefill and decode workers share it)")
     config = cluster_config("disaggregated", "t-pause", stream_kv_layers=None)
-    engine = dataclasses.replace(
-        config.engine,
-        model="small",
-        scheduler=dataclasses.replace(
-            config.engine.scheduler, max_model_len=2048, max_num_batched_tokens=2048
-        ),
-        cache=dataclasses.replace(config.engine.cache, num_blocks=256),
-    )
-    backend = RayClusterBackend(dataclasses.replace(config, engine=engine))
+    backend = RayClusterBackend(with_small_model(config))
     try:
         infos = backend.handles.infos
         if len({c for i in infos.values() for c in i.cores}) < 2:
@@ -495,15 +501,7 @@ def test_colocated_workers_lend_each_other_their_cores_for_long_prompts(ray_sess
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one core: no neighbour to borrow from")
     config = cluster_config("colocated", "t-colo-share", colocated_workers=2, colocated_cpu_step_tokens=512)
-    engine = dataclasses.replace(
-        config.engine,
-        model="small",
-        scheduler=dataclasses.replace(
-            config.engine.scheduler, max_model_len=2048, max_num_batched_tokens=2048
-        ),
-        cache=dataclasses.replace(config.engine.cache, num_blocks=256),
-    )
-    backend = RayClusterBackend(dataclasses.replace(config, engine=engine))
+    backend = RayClusterBackend(with_small_model(config))
     try:
         infos = backend.handles.infos
         if sorted(c for i in infos.values() for c in i.cores) != [0, 1]:

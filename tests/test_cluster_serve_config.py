@@ -182,6 +182,32 @@ def test_a_colocated_worker_uses_its_share_of_the_cores_unless_told():
         checked_cluster_config(args)
 
 
+def test_colocated_workers_are_pinned_to_a_share_each_and_know_their_neighbours(monkeypatch):
+    from gateway import cluster_launch
+
+    monkeypatch.setattr(cluster_launch.os, "cpu_count", lambda: 4)
+    two = cluster_config_from_args(parse(["--mode", "colocated", "--colocated-workers", "2"]))
+    assert [cluster_launch._cores("colocated", i, two) for i in (0, 1)] == [(0, 1), (2, 3)]
+    assert cluster_launch._neighbour_cores("colocated", 0, two) == (
+        (2, "bucketserve:colocated-1"),
+        (3, "bucketserve:colocated-1"),
+    )
+    one = cluster_config_from_args(parse(["--mode", "colocated"]))
+    assert cluster_launch._cores("colocated", 0, one) == (0, 1, 2, 3)
+    assert cluster_launch._neighbour_cores("colocated", 0, one) == (), "alone: nobody to borrow from"
+    # More workers than cores: the ones beyond the cores are not pinned, and nobody borrows from them.
+    five = cluster_config_from_args(parse(["--mode", "colocated", "--colocated-workers", "5"]))
+    assert cluster_launch._cores("colocated", 4, five) == ()
+    assert [c for c, _ in cluster_launch._neighbour_cores("colocated", 0, five)] == [1, 2, 3]
+    off = cluster_config_from_args(
+        parse(["--mode", "colocated", "--colocated-workers", "2", "--share-cores", "off"])
+    )
+    assert cluster_launch._neighbour_cores("colocated", 0, off) == ()
+    assert cluster_launch._cores("colocated", 0, off) == (0, 1), (
+        "still pinned: --share-cores lends, pinning is apart"
+    )
+
+
 def test_a_colocated_worker_on_a_cpu_takes_short_steps_unless_told():
     from engine.config import COLOCATED_CPU_STEP_TOKENS, DEFAULT_MAX_NUM_BATCHED_TOKENS
     from gateway.cluster_launch import ClusterConfig

@@ -59,3 +59,16 @@ def test_block_size_defaults_per_device_and_an_explicit_one_wins(device, expecte
     pinned = replace(cfg, cache=CacheConfig(block_size=32))
     assert block_size_for(pinned, device) == 32
     assert resolve_engine_config(pinned, device, 4096).cache.block_size == 32
+
+
+def test_neighbour_cores_are_core_and_worker_pairs() -> None:
+    ok = WorkerConfig(
+        worker_id="c", role="colocated", engine=EngineConfig(), neighbour_cores=((1, "x:colocated-1"),)
+    )
+    assert ok.neighbour_cores == ((1, "x:colocated-1"),)
+    for bad in ((1,), ((1, ""),), ((-1, "w"),), [(1, "w")]):
+        with pytest.raises(ValueError, match="WorkerConfig.neighbour_cores must be a tuple of"):
+            WorkerConfig(worker_id="c", role="colocated", engine=EngineConfig(), neighbour_cores=bad)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="WorkerConfig.pause_neighbours_ms must be an int >= 0"):
+            WorkerConfig(worker_id="c", role="colocated", engine=EngineConfig(), pause_neighbours_ms=bad)

@@ -149,4 +149,9 @@ class ColocatedWorker(EngineWorker):
             if consumer is not None:
                 routed.append((consumer, out))
         self.outputs.put_many(routed)
+        if self._sharing is not None and self.heartbeat.monitor is not None:
+            for (
+                lender
+            ) in self._sharing.take_lenders():  # a few a second at most: steps with long prompt chunks
+                self.heartbeat.monitor.record_core_lend.remote(lender)
         self.heartbeat.push()

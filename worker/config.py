@@ -43,9 +43,9 @@ class WorkerConfig:
     # Colocated, on a CPU: the engine's step token budget, in place of the engine config's (None: that one).
     # ``serve`` sets it where --max-num-batched-tokens is not given (engine.config.COLOCATED_CPU_STEP_TOKENS).
     cpu_step_tokens: int | None = None
-    # Colocated: cores of the other colocated workers pinned beside this one, whose cores a step with a long prompt
-    # chunk may run on too (worker/neighbour_cores.py); empty: its own cores only.
-    neighbour_cores: tuple[int, ...] = ()
+    # Colocated: (core, its worker's id) of the other colocated workers pinned beside this one, whose cores a step
+    # with a long prompt chunk may run on too (worker/neighbour_cores.py); empty: its own cores only.
+    neighbour_cores: tuple[tuple[int, str], ...] = ()
     # Colocated: the longest such a step may pause a neighbour that is decoding (0: only idle neighbours lend).
     pause_neighbours_ms: int = 0
 
@@ -67,10 +67,16 @@ class WorkerConfig:
             if not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"WorkerConfig.{name} must be > 0, got {value!r}")
         check_optional_count(self, "cpu_step_tokens")
-        for name in ("cpu_affinity", "neighbour_cores"):
-            cores = getattr(self, name)
-            if not isinstance(cores, tuple) or any(not isinstance(c, int) or c < 0 for c in cores):
-                raise ValueError(f"WorkerConfig.{name} must be a tuple of core ids >= 0, got {cores!r}")
+        if any(not isinstance(c, int) or c < 0 for c in self.cpu_affinity):
+            raise ValueError(f"WorkerConfig.cpu_affinity must be core ids >= 0, got {self.cpu_affinity!r}")
+        if not isinstance(self.neighbour_cores, tuple) or any(
+            not (isinstance(n, tuple) and len(n) == 2 and isinstance(n[0], int) and n[0] >= 0 and n[1])
+            for n in self.neighbour_cores
+        ):
+            raise ValueError(
+                "WorkerConfig.neighbour_cores must be a tuple of (core id >= 0, worker id) pairs, "
+                f"got {self.neighbour_cores!r}"
+            )
         p = self.pause_neighbours_ms
         if not isinstance(p, int) or isinstance(p, bool) or p < 0:
             raise ValueError(f"WorkerConfig.pause_neighbours_ms must be an int >= 0, got {p!r}")

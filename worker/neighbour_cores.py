@@ -52,19 +52,22 @@ class NeighbourCores:
         engine: LLMEngine,
         own: tuple[int, ...],
         num_threads: int,
-        neighbours: tuple[int, ...],
+        neighbours: tuple[tuple[int, str], ...],
         max_pause_s: float,
     ) -> None:
         self.engine = engine
         self.own = own
         self.num_threads = num_threads
-        self.neighbours = tuple(c for c in neighbours if c not in own)
+        self.owners = {c: worker for c, worker in neighbours if c not in own}  # core -> its worker's id
+        self.neighbours = tuple(sorted(self.owners))
         self.max_pause_s = max_pause_s
         self.board = CoreBoard(own, self.neighbours)
         self._gate = CoreGate(own)
         self._gates: dict[tuple[int, ...], CoreGate] = {}  # own + borrowed cores -> their gate, opened once
         self.widened_steps = 0
         self.pausing_steps = 0  # of those, steps that paused a neighbour that was decoding
+        # Neighbours whose cores a step ran on since the last take_lenders() (each once per step), for the monitor.
+        self._lenders: list[str] = []
         self.post()
 
     # ------------------------------------------------------------------ posts
@@ -99,7 +102,9 @@ class NeighbourCores:
         if gate is None:
             gate = self._gates[key] = CoreGate(key)
         with gate.borrow(), borrowed_cores(self.own, self.num_threads, borrow) as threads:
-            self.widened_steps += threads > self.num_threads
+            if threads > self.num_threads:
+                self.widened_steps += 1
+                self._lenders.extend(dict.fromkeys(self.owners[c] for c in borrow))
             yield widened_speedup(len(self.own), threads - self.num_threads)  # 1.0 when nothing was widened
 
     def _borrow(self, items: Sequence[tuple[Request, int]]) -> tuple[int, ...]:
@@ -146,6 +151,11 @@ class NeighbourCores:
         if any(hood[i].decoding for i in chosen):
             self.pausing_steps += 1
         return tuple(cores[i] for i in chosen)
+
+    def take_lenders(self) -> list[str]:
+        """The neighbours (worker ids) that lent their cores to a step since the last call, once per step."""
+        lenders, self._lenders = self._lenders, []
+        return lenders
 
     def close(self) -> None:
         self.board.clear()

@@ -75,6 +75,9 @@ class _Stream:
         self.pending: dict[int, RequestOutput] = {}
         self.worker: ActorHandle[EngineWorker] | None = None  # colocated mode: the worker that runs it
         self.worker_name: str | None = None
+        self.prompt_tokens = (
+            0  # colocated mode: the prompt's length (its worker's load until its first token)
+        )
         self.message: RequestMessage | None = None  # disaggregated mode: what was submitted to the controller
         self.payload: RequestMessage | MessageRef | None = None  # ... and what the controller passes on
 
@@ -244,15 +247,18 @@ class RayClusterBackend(ServingBackend):
         if self.config.mode == "colocated":
             workers = list(self.handles.by_role("colocated").items())
             live = [(n, h) for n, h in workers if n not in self._down] or workers
-            # Fewest requests of this gateway in flight: a cheap local proxy of the worker's load.
-            load = {n: 0 for n, _ in live}
+            # A cheap local proxy of each worker's load, from this gateway's requests in flight: the prompt tokens
+            # it has yet to answer with a first token (a new prompt waits behind them), then the requests.
+            load = {n: [0, 0] for n, _ in live}
             for s in self._streams.values():
                 for n, h in live:
                     if s.worker is h:
-                        load[n] += 1
+                        load[n][0] += s.prompt_tokens if s.delivered == 0 else 0
+                        load[n][1] += 1
             name, handle = min(live, key=lambda nh: load[nh[0]])
             stream.worker = handle
             stream.worker_name = name
+            stream.prompt_tokens = msg.num_prompt_tokens
             await handle.submit.remote(msg)
             return
         stream.message = msg  # sent again should the controller restart before it dispatched the request

@@ -513,15 +513,28 @@ def test_colocated_workers_lend_each_other_their_cores_for_long_prompts(ray_sess
         async def stats() -> dict[str, dict]:
             return await backend.worker_stats()
 
-        # Alone: its chunks run on both cores (the other worker is idle), and teach the worker its pace.
+        # Two prompts at once, one to each worker (the gateway sends a request to the one with the fewest prompt
+        # tokens waiting): neither lends, each busy with its own, and each learns its pace on its own core.
+        pair = [make_request(f"pair{i}", 600, 2, seed=i) for i in range(2)]
+
+        async def both():
+            return await asyncio.gather(*(collect(backend, r) for r in pair))
+
+        for req, got in zip(pair, asyncio.run(both()), strict=True):
+            assert got.error is None and got.tokens == reference.greedy(
+                req.prompt_token_ids, 2, ignore_eos=True
+            )
+        by_worker = asyncio.run(stats())
+        assert all(s["prompt_s_per_token"] > 0 for s in by_worker.values()), by_worker
+        shared_before = sum(s["core_shared_steps"] for s in by_worker.values())
+        # Alone: its chunks run on both cores (the other worker is idle).
         lone = make_request("lone", 700, 2, seed=3)
         got = asyncio.run(collect(backend, lone))
         assert got.error is None and got.tokens == reference.greedy(lone.prompt_token_ids, 2, ignore_eos=True)
         by_worker = asyncio.run(stats())
-        assert sum(s["core_shared_steps"] for s in by_worker.values()) >= 1, by_worker
+        assert sum(s["core_shared_steps"] for s in by_worker.values()) > shared_before, by_worker
         assert sum(s["neighbour_pausing_steps"] for s in by_worker.values()) == 0, by_worker
         pace = max(s["prompt_s_per_token"] for s in by_worker.values())
-        assert pace > 0, "the worker did not learn its prompt pace"
         # To the other worker: the gateway sends a request to the one with fewer in flight.
         needy_prompt_beside_a_decode(backend, reference, pace, 200)
         by_worker = asyncio.run(stats())

@@ -116,19 +116,14 @@ class NeighbourCores:
         for r, n in items:
             if n > 1 or r.num_generated_tokens == 0:
                 prompt += n
-                if r.slo_ttft_ms is not None and (
-                    urgent is None or _deadline(r) < _deadline(urgent)  # type: ignore[arg-type]
-                ):
+                if r.slo_ttft_ms is not None and (urgent is None or _deadline(r) < _deadline(urgent)):
                     urgent = r
         if prompt < MIN_BORROW_TOKENS:
             return ()
-        posts = {c: self.board.read(c) for c in self.neighbours}
-        cores = [c for c, p in posts.items() if p is not None]
+        live = [(c, p) for c in self.neighbours if (p := self.board.read(c)) is not None]
+        cores = [c for c, _ in live]
         now = time.monotonic()
-        hood = [
-            Neighbour(posts[c].prompt_tokens, posts[c].decoding, posts[c].pause_until - now)  # type: ignore[union-attr]
-            for c in cores
-        ]
+        hood = [Neighbour(p.prompt_tokens, p.decoding, p.pause_until - now) for _, p in live]
         clock = self.engine.step_clock
         pace = clock.prompt_s_per_token or 0.0
         decode_s = clock.decode_step_s or 0.0

@@ -47,8 +47,11 @@ class LendingPolicy:
     # (one prefill, one decode worker, `small`) a guard of 4 stopped lending exactly when prompts queued, and under
     # vLLM's client (random 256 +- 90% tokens, Poisson) the cluster held 80% of TTFT <= 450 / TPOT <= 50 ms up to
     # 8.5 req/s; with 16, >= 10 req/s (TPOT p50 16 against 14.5 ms at 8 req/s), and on the bursty two-class sweep
-    # 0.78 against 0.48-0.55 at 8 req/s.
-    max_running: int = 16
+    # 0.78 against 0.48-0.55 at 8 req/s. 64, not 16: on a faster 2-core host (Xeon with AMX) the bursty two-class
+    # workload at 10 req/s keeps more than 16 requests decoding through its bursts, so a guard of 16 stopped lending
+    # just when prompts queued; four alternating runs (seeds 0 and 1, twice) held 0.78-0.84 of the SLOs with 64
+    # against 0.55-0.66 with 16, the lent prompt steps leaving TPOT within its target.
+    max_running: int = 64
     # Prompt tokens of one lent batch: the longest prompt step the requests decoding there may have to wait for.
     max_tokens: int = 512
     # A prefill batch may run on the cores of idle decode workers of its node (the launcher names them).

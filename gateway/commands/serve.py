@@ -75,8 +75,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--elastic",
         default="on",
         choices=["on", "off"],
-        help="disaggregated: a decode worker with nothing to decode prefills prompt batches itself while the prefill "
-        "workers are busy, and a burst is split over the idle workers",
+        help="disaggregated: a decode worker decoding at most 64 requests prefills prompt batches itself while the "
+        "prefill workers are busy, and a burst is split over the workers that may run prompts",
     )
     p.add_argument(
         "--share-cores",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,7 +17,33 @@ from bench.procfs import pids, stat_fields
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+# Ports picked here lie above Ray's worker ports (10002-19999 by default) and below the range the kernel hands out
+# for outgoing connections and binds to port 0 (ip_local_port_range, 32768-60999 by default): a port free now
+# then stays free until the server binds it, where a port the kernel chose could meanwhile go to any process's
+# next outgoing connection (a busy Ray cluster opens many).
+_PICK_LO, _PICK_HI = 20000, 32767
+_PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(_PORT_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing holds now, outside the kernel's ephemeral range where there is room."""
+    hi = min(_PICK_HI, _ephemeral_low() - 1)
+    rng = random.SystemRandom()
+    for _ in range(200 if hi - _PICK_LO >= 1000 else 0):
+        port = rng.randint(_PICK_LO, hi)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -354,12 +354,28 @@ def assert_cluster_clean(backend: RayClusterBackend) -> None:
         assert s["kv_blocks_used"] == 0, f"{name} still holds {s['kv_blocks_used']} blocks"
         assert s["kv_blocks_free"] == s["kv_blocks_total"] == NUM_BLOCKS, name
         assert s["integrity_error"] is None, f"{name}: {s['integrity_error']}"
-    state = asyncio.run(_controller_state(backend))
+    state = asyncio.run(_controller_state_once_clean(backend, timeout=20))
     assert state["in_cluster"] == 0 and all(d["reserved"] == 0 for d in state["decode"].values()), state
 
 
 async def _controller_state(backend: RayClusterBackend) -> dict:
     return await backend.handles.controller.state.remote()
+
+
+def _controller_clean(state: dict) -> bool:
+    return state["in_cluster"] == 0 and all(d["reserved"] == 0 for d in state["decode"].values())
+
+
+async def _controller_state_once_clean(backend: RayClusterBackend, timeout: float) -> dict:
+    """The controller's state once it holds nothing (or the last state at the timeout). The decode worker
+    frees its blocks first and then tells the controller the request ended, so the controller's release can
+    trail the workers' idle stats by a message."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = await _controller_state(backend)
+        if _controller_clean(state) or time.monotonic() > deadline:
+            return state
+        await asyncio.sleep(0.1)
 
 
 CLUSTER_LONG = {"prompt": list(range(100, 120)), "max_tokens": 480, "ignore_eos": True}

@@ -75,6 +75,12 @@ def _add_args(p: argparse.ArgumentParser) -> None:
         help="time the Triton skinny GEMM against cuBLAS per weight shape at start-up and take it where faster",
     )
     p.add_argument(
+        "--fuse-projections",
+        choices=["on", "off"],
+        default="on",
+        help="fuse each layer's Q/K/V and gate/up linears into one GEMM each where the device does (CUDA)",
+    )
+    p.add_argument(
         "--overlap-decode",
         choices=["auto", "on", "off"],
         default="auto",
@@ -225,6 +231,10 @@ def run(args: argparse.Namespace) -> None:
         from engine.device import cuda as cuda_device
 
         cuda_device.SKINNY_GEMM = False
+    if args.fuse_projections == "off":  # before the engine loads its model
+        from engine.device import cuda as cuda_device
+
+        cuda_device.FUSE_PROJECTIONS = False
     if args.freeze is not None:  # before the engine compiles its forward
         flat_runner.FREEZE_WEIGHTS = {
             **flat_runner.FREEZE_WEIGHTS,
@@ -237,6 +247,7 @@ def run(args: argparse.Namespace) -> None:
     engine_frozen = flat_runner.FREEZE_WEIGHTS.get(dev.type, False)
     engine_overlap = engine.config.overlap_decode
     linear_choices = engine.linear_choices
+    engine_fused = engine.fused_projections
     model = engine.loaded.model
     dtype = next(model.parameters()).dtype
     machine = measure_machine(dtype, args.repeats, str(dev))
@@ -280,6 +291,7 @@ def run(args: argparse.Namespace) -> None:
         "frozen_weights": args.compile and engine_frozen,
         "overlap_decode": engine_overlap,
         "skinny_gemm": args.skinny_gemm,
+        "fused_projections": engine_fused,
         "linear_choices": linear_choices,
         "torch": torch.__version__,
         "engine_start_s": start_s,
@@ -337,7 +349,7 @@ def run(args: argparse.Namespace) -> None:
         f"device: {result['device']}, copy {bw / 1e9:.0f} GB/s, matmul {rate / 1e12:.0f} TFLOP/s "
         f"({result['dtype']}); engine started in {start_s:.1f} s; compiled {args.compile} (weights frozen "
         f"{result['frozen_weights']}), decode steps overlapped {engine_overlap}, "
-        f"skinny GEMM {args.skinny_gemm}",
+        f"skinny GEMM {args.skinny_gemm}, projections fused {engine_fused or 'none'}",
         args.json,
         getattr(args, "command", None),
     )

@@ -77,6 +77,8 @@ class LLMEngine:
             fuse_gated_mlps(self.loaded.model)
         # A compiled forward fuses F.rms_norm into its neighbours; our opaque kernel would stop that.
         fuse_rms_norms(self.loaded.model, use_kernel=not cfg.compile)
+        # Before the linears are tuned, so the fused ones are timed at their own shapes.
+        self.fused_projections = self.device.fuse_projections(self.loaded.model)
         self.linear_choices = self.device.tune_linears(self.loaded.model)
         self.block_size = bs = cfg.cache.block_size
         self.kv_spec = self.loaded.kv_spec(bs)

@@ -56,6 +56,12 @@ class Device(abc.ABC):
         and a ``wait()`` after which it holds the data. Synchronous where execution is (the default)."""
         return t.cpu(), _ready
 
+    def fuse_projections(self, model: torch.nn.Module) -> dict[str, int]:
+        """Fuse, once at start-up, the linears that read the same input into one GEMM where this device runs them
+        faster so (see :mod:`engine.fused_projections`); returns how many modules of each kind were fused
+        (nothing where the device keeps them apart, as the CPU does: its prepacked path fuses on its own)."""
+        return {}
+
     def tune_linears(self, model: torch.nn.Module) -> dict[str, dict]:
         """Pick, once at start-up, the fastest way this device has to run each of the model's linear layers at
         decode-sized row counts; returns what was picked per weight shape (nothing where there is one way)."""

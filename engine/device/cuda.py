@@ -25,6 +25,8 @@ def _triton_operator():
 
 # Whether start-up times the Triton skinny GEMM against cuBLAS per weight shape and takes it where faster.
 SKINNY_GEMM = True
+# Whether start-up fuses each layer's Q/K/V and gate/up linears into one GEMM each (engine/fused_projections.py).
+FUSE_PROJECTIONS = True
 
 
 class CudaDevice(Device):
@@ -65,6 +67,15 @@ class CudaDevice(Device):
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self._device))
         return host, done.synchronize
+
+    def fuse_projections(self, model: torch.nn.Module) -> dict[str, int]:
+        if not FUSE_PROJECTIONS:
+            return {}
+        from engine.fused_projections import fuse_projections
+
+        counts = fuse_projections(model)
+        torch.cuda.empty_cache()  # the separate weights, now views into the fused ones
+        return counts
 
     def tune_linears(self, model: torch.nn.Module) -> dict[str, dict]:
         if not SKINNY_GEMM:

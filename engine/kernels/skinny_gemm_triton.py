@@ -23,6 +23,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.fused_projections import model_linears
+
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 16  # rows of one tl.dot: up to this many, the kernel; above, F.linear
@@ -170,9 +172,8 @@ def tune_linears(model: torch.nn.Module) -> dict:
     per shape) the kernel's forward; returns {(n, k): (config or None, timings)}."""
     linears = [
         m
-        for m in model.modules()
-        if type(m) is torch.nn.Linear
-        and m.bias is None
+        for m in model_linears(model)
+        if m.bias is None
         and m.weight.is_cuda
         and m.weight.dtype in (torch.bfloat16, torch.float16)
         and m.weight.is_contiguous()

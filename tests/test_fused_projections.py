@@ -162,3 +162,46 @@ def test_flat_attention_writes_the_same_cache_fused_or_not() -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_kv, want_kv, rtol=1e-5, atol=1e-5)
     assert got_kv.abs().sum() > 0  # the layer did write its keys and values
+
+
+def test_the_engine_loaded_model_is_fused_whatever_attention_it_runs() -> None:
+    # The engine loads its models with its own paged attention, which reads a per-step context a probe has not
+    # got: the probe runs transformers' eager attention instead, and the model's own is restored after.
+    from engine.model_loader import load_model
+
+    model = load_model("tiny", torch.device(TEST_DEVICE), "float32").model
+    configured = model.config._attn_implementation
+    assert configured not in ("eager", "sdpa")
+    layers = model.config.num_hidden_layers
+    assert fuse_projections(model) == {"attention": layers, "mlp": layers, "kept": 0}
+    assert model.config._attn_implementation == configured
+
+
+def test_a_kept_module_says_why(caplog) -> None:
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    from transformers.models.llama import modeling_llama
+
+    class ScaledAttention(modeling_llama.LlamaAttention):
+        # Something after the attention that the fused forward does not run.
+        def forward(self, *args, **kwargs):
+            out, weights = super().forward(*args, **kwargs)
+            return out * 2, weights
+
+    ScaledAttention.__module__ = modeling_llama.__name__  # a Llama-family layer by its module
+    scaled = ScaledAttention(config, 0).eval()
+    scaled.load_state_dict(model.model.layers[0].self_attn.state_dict())
+    model.model.layers[0].self_attn = scaled
+    with caplog.at_level("INFO", logger="engine.fused_projections"):
+        counts = fuse_projections(model)
+    assert counts == {"attention": 0, "mlp": 1, "kept": 1}
+    assert "keeps its own forward: outputs differ by" in caplog.text

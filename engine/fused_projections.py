@@ -42,13 +42,7 @@ _PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2**-5, torch.float16: 2
 # The attention the probe runs both forwards with: transformers' own eager attention (the family's
 # eager_attention_forward), which needs no cache or context, whatever the model is configured with.
 _PROBE_ATTENTION = "eager"
-# Up to this many rows (tokens in the step) the fused GEMM runs; above, the separate ones, as transformers runs
-# them. A decode step reads every weight once and is bound by how fast it does, which fusing helps; a prompt's
-# GEMMs are bound by the matrix units, and there the fused shapes measured slower on an H200 (Llama-3-8B shapes,
-# bf16, compiled: prefill 1x1024 8.75-10.0 ms fused against 8.07-8.96 separate, over two runs each). 128 rows
-# is about where a bf16 GEMM on that GPU turns from the memory's bound to the matrix units'.
-FUSED_MAX_ROWS = 128
-_PROBE_ROWS = (3, 33, FUSED_MAX_ROWS + 1)  # both sides of the threshold (kernels may differ by rows too)
+_PROBE_ROWS = (3, 33)  # a decode-sized and a prefill-sized row count (kernels may differ by rows)
 
 
 def fused_linear_of(module: torch.nn.Module) -> torch.nn.Linear | None:
@@ -57,8 +51,7 @@ def fused_linear_of(module: torch.nn.Module) -> torch.nn.Linear | None:
 
 
 def is_fused_part(linear: torch.nn.Module) -> bool:
-    """Whether ``linear`` is one of the linears a fused one stands for (called only above ``FUSED_MAX_ROWS``
-    rows, where no decode-sized kernel runs)."""
+    """Whether ``linear`` is one of the linears a fused one replaced (its forward is no longer called)."""
     return bool(linear.__dict__.get("fused_part", False))
 
 
@@ -112,11 +105,8 @@ def _attention_forward(
     # hidden_states [B, T, hidden]
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    if input_shape.numel() <= FUSED_MAX_ROWS:
-        qkv = self.fused_linear(hidden_states)  # [B, T, (H + 2 KVH) D]
-        q, k, v = qkv.split(self.fused_widths, dim=-1)
-    else:
-        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+    qkv = self.fused_linear(hidden_states)  # [B, T, (H + 2 KVH) D]
+    q, k, v = qkv.split(self.fused_widths, dim=-1)
     query = q.view(hidden_shape).transpose(1, 2)  # [B, H, T, D]
     key = k.view(hidden_shape).transpose(1, 2)  # [B, KVH, T, D]
     value = v.view(hidden_shape).transpose(1, 2)
@@ -143,10 +133,7 @@ def _attention_forward(
 
 def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     # x [..., hidden]; gate and up side by side in one GEMM: [..., 2 * intermediate]
-    if x.shape[:-1].numel() <= FUSED_MAX_ROWS:
-        gate, up = self.fused_linear(x).chunk(2, dim=-1)
-    else:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+    gate, up = self.fused_linear(x).chunk(2, dim=-1)
     return self.down_proj(self.act_fn(gate) * up)
 
 
@@ -282,8 +269,7 @@ def fuse_projections(model: torch.nn.Module) -> dict[str, int]:
 
 
 def model_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    """The linears a decode-sized forward of ``model`` calls: its own, less the fused parts, plus the fused
-    ones."""
+    """The linears a forward of ``model`` calls: its own, less the fused parts, plus the fused ones."""
     out = []
     for m in model.modules():
         if type(m) is torch.nn.Linear and not is_fused_part(m):

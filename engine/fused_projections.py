@@ -125,6 +125,7 @@ def _attention_forward(
         attention_mask,
         dropout=0.0 if not self.training else self.attention_dropout,
         scaling=self.scaling,
+        sliding_window=self.fused_sliding_window,
         **kwargs,
     )
     out = out.reshape(*input_shape, -1).contiguous()  # [B, T, H * D]
@@ -157,7 +158,11 @@ def _attention_extras(module: torch.nn.Module) -> dict | None:
         return None  # per-head norms between the projection and the rotary (Qwen3, Gemma 3)
     if not all(p.out_features % head_dim == 0 for p in parts):
         return None
+    # What the family passes to its attention function as the window (Qwen2 its own attribute, Mistral its
+    # config's; Llama nothing, which every attention function reads as None).
+    window = getattr(module, "sliding_window", getattr(module.config, "sliding_window", None))
     return {
+        "fused_sliding_window": window,
         "fused_widths": [p.out_features for p in parts],
         "fused_rotary": family.apply_rotary_pos_emb,
         "fused_eager_attention": family.eager_attention_forward,

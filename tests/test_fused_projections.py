@@ -46,6 +46,39 @@ def test_fused_model_generates_what_the_unfused_one_does() -> None:
         assert _greedy(fused, ids, 24) == _greedy(plain, ids, 24)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_other_llama_family_layers_are_fused_too(family: str) -> None:
+    # Qwen2: biases on Q, K and V (the fused linear concatenates them) and its own sliding-window attribute;
+    # Mistral: the window in its config.
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }[family]
+    config = config_cls(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    plain = model_cls(config).eval()
+    with torch.no_grad():
+        for m in plain.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.normal_(std=0.5)  # biases that matter
+    fused = copy.deepcopy(plain)
+    assert fuse_projections(fused) == {"attention": 2, "mlp": 2, "kept": 0}
+    attn = fused.model.layers[0].self_attn
+    assert (fused_linear_of(attn).bias is not None) == (family == "qwen2")
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(1))
+    assert _greedy(fused, ids, 12) == _greedy(plain, ids, 12)
+
+
 def test_bf16_fused_model_stays_within_rounding() -> None:
     plain = _tiny(torch.bfloat16)
     fused = copy.deepcopy(plain)

@@ -31,6 +31,20 @@ def _greedy(model: torch.nn.Module, ids: torch.Tensor, n: int) -> list[int]:
     return out[0, ids.shape[1] :].tolist()
 
 
+def _small(model_cls, config_cls, layers: int = 2, **overrides) -> torch.nn.Module:
+    """A seeded random model of ``model_cls`` with a few small layers, built here (no checkpoint)."""
+    sizes = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return model_cls(config_cls(**{**sizes, "num_hidden_layers": layers, **overrides})).eval()
+
+
 def test_fused_model_generates_what_the_unfused_one_does() -> None:
     plain = _tiny()
     fused = copy.deepcopy(plain)
@@ -56,17 +70,7 @@ def test_other_llama_family_layers_are_fused_too(family: str) -> None:
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
     }[family]
-    config = config_cls(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    plain = model_cls(config).eval()
+    plain = _small(model_cls, config_cls)
     with torch.no_grad():
         for m in plain.modules():
             if isinstance(m, torch.nn.Linear) and m.bias is not None:
@@ -122,18 +126,7 @@ def test_weights_become_views_and_the_parameters_stay_as_loaded() -> None:
 def test_modules_that_compute_something_else_keep_their_forward() -> None:
     # Qwen3 normalises each head of Q and K before the rotary: its attention keeps transformers' forward, its MLP
     # (the Llama formula) is fused.
-    config = Qwen3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    plain = Qwen3ForCausalLM(config).eval()
+    plain = _small(Qwen3ForCausalLM, Qwen3Config, head_dim=16)
     fused = copy.deepcopy(plain)
     assert fuse_projections(fused) == {"attention": 0, "mlp": 2, "kept": 0}
     assert "forward" not in fused.model.layers[0].self_attn.__dict__
@@ -167,17 +160,7 @@ def test_flat_attention_writes_the_same_cache_fused_or_not() -> None:
     from engine.forward_context import forward_context
     from engine.kernels import paged_attention_ref
 
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    plain = LlamaForCausalLM(config).eval()
+    plain = _small(LlamaForCausalLM, LlamaConfig, layers=1)
     fused = copy.deepcopy(plain)
     fuse_projections(fused)
     results = []
@@ -211,17 +194,7 @@ def test_the_engine_loaded_model_is_fused_whatever_attention_it_runs() -> None:
 
 
 def test_a_kept_module_says_why(caplog) -> None:
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = _small(LlamaForCausalLM, LlamaConfig, layers=1)
     from transformers.models.llama import modeling_llama
 
     class ScaledAttention(modeling_llama.LlamaAttention):
@@ -231,7 +204,7 @@ def test_a_kept_module_says_why(caplog) -> None:
             return out * 2, weights
 
     ScaledAttention.__module__ = modeling_llama.__name__  # a Llama-family layer by its module
-    scaled = ScaledAttention(config, 0).eval()
+    scaled = ScaledAttention(model.config, 0).eval()
     scaled.load_state_dict(model.model.layers[0].self_attn.state_dict())
     model.model.layers[0].self_attn = scaled
     with caplog.at_level("INFO", logger="engine.fused_projections"):

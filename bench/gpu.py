@@ -12,6 +12,11 @@ In one process, on one device:
 4. offline generation at batch 64 (prompts of equal length, EOS ignored) through the engine against Hugging Face
    ``generate`` with a static cache on the same prompts and checkpoint, with how many outputs are identical.
 
+With ``--ab KNOB`` it instead builds two engines in the process, the knob on and off, and times their steps in
+alternating rounds (on, off, then off, on, ...) against the same bounds: each round's off/on ratio is taken from
+steps timed minutes apart at most, so a device that drifts over a session (clocks, a neighbour's load) moves
+both sides alike, which separate processes run one after the other do not.
+
 The default model is the built-in ``llama3-8b-l8`` (Llama 3 8B's shapes with 8 of its layers, random bf16 weights,
 built on first use). Ray is not needed: the engine runs in this process.
 """
@@ -27,6 +32,10 @@ import sys
 import time
 
 logger = logging.getLogger(__name__)
+
+# What --ab compares: start-up switches of the CUDA device (read when an engine is built) and the engine's
+# overlapped decode (its config), the one that changes anything on the CPU too.
+AB_KNOBS = ("fuse-projections", "skinny-gemm", "overlap-decode")
 
 
 def register(sub) -> None:
@@ -86,6 +95,14 @@ def _add_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="launch each decode step before the previous one's tokens reach the host (auto: the engine's default)",
     )
+    p.add_argument(
+        "--ab",
+        choices=AB_KNOBS,
+        default=None,
+        help="two engines in this process, the knob on and off, timed in alternating rounds (no profile, no "
+        "offline generation)",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="with --ab: rounds of both engines' steps")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
     p.add_argument("--out", default="bench/results/gpu", help="report path (without extension)")
 
@@ -240,6 +257,9 @@ def run(args: argparse.Namespace) -> None:
             **flat_runner.FREEZE_WEIGHTS,
             torch.device(args.device).type: args.freeze == "on",
         }
+    if args.ab:
+        run_ab(args, cfg, prefill, batches)
+        return
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
     start_s = time.perf_counter() - t0
@@ -283,10 +303,7 @@ def run(args: argparse.Namespace) -> None:
             "mean_common_prefix": statistics.mean(prefixes),
         }
     result = {
-        "model": args.model,
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
-        "dtype": str(dtype).removeprefix("torch."),
-        "compiled": args.compile,
+        **_result_head(args, dev, dtype),
         "max_decode_splits": args.max_decode_splits,
         "frozen_weights": args.compile and engine_frozen,
         "overlap_decode": engine_overlap,
@@ -350,6 +367,130 @@ def run(args: argparse.Namespace) -> None:
         f"({result['dtype']}); engine started in {start_s:.1f} s; compiled {args.compile} (weights frozen "
         f"{result['frozen_weights']}), decode steps overlapped {engine_overlap}, "
         f"skinny GEMM {args.skinny_gemm}, projections fused {engine_fused or 'none'}",
+        args.json,
+        getattr(args, "command", None),
+    )
+
+
+def _result_head(args: argparse.Namespace, dev, dtype) -> dict:
+    """The fields every report of this benchmark starts with: what ran, where, in which dtype."""
+    import torch
+
+    return {
+        "model": args.model,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
+        "dtype": str(dtype).removeprefix("torch."),
+        "compiled": args.compile,
+    }
+
+
+def _ab_engine(knob: str, on: bool, cfg):
+    """An engine built with ``knob`` on or off (the device's switch is put back as it was afterwards)."""
+    from dataclasses import replace
+
+    from engine.device import cuda as cuda_device
+    from engine.llm_engine import LLMEngine
+
+    if knob == "overlap-decode":
+        return LLMEngine(replace(cfg, overlap_decode="on" if on else "off"))
+    name = {"fuse-projections": "FUSE_PROJECTIONS", "skinny-gemm": "SKINNY_GEMM"}[knob]
+    before = getattr(cuda_device, name)
+    setattr(cuda_device, name, on)
+    try:
+        return LLMEngine(cfg)
+    finally:
+        setattr(cuda_device, name, before)
+
+
+def run_ab(args: argparse.Namespace, cfg, prefill: list[tuple[int, int]], batches: list[int]) -> None:
+    """``--ab``: both engines' steps in alternating rounds, each round's off/on ratio, against one machine
+    measurement."""
+    import torch
+
+    from bench.report import publish
+    from bench.roofline import ModelShape, measure_machine, step_rows
+    from engine.flat_runner import compiled_graphs
+
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    # Two engines compile the same forward for two runner objects: room for both sets of graphs, so neither
+    # falls back to running eagerly once the other has compiled.
+    for limit in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
+    engines, start_s = {}, {}
+    for side in ("on", "off"):
+        t0 = time.perf_counter()
+        engines[side] = _ab_engine(args.ab, side == "on", cfg)
+        start_s[side] = time.perf_counter() - t0
+    model = engines["on"].loaded.model
+    dtype = next(model.parameters()).dtype
+    dev = engines["on"].device.torch_device
+    machine = measure_machine(dtype, args.repeats, str(dev))
+    bw, rate = machine["bandwidth_Bps"], machine["gemm_flops"]
+    shape = ModelShape.of(model, torch.tensor([], dtype=dtype).element_size())
+    rounds: dict[str, list[list[dict]]] = {"on": [], "off": []}
+    compiled: list[int] = []  # graphs compiled during each engine's round: none, unless a guard missed
+    for r in range(args.rounds):
+        for side in ("on", "off") if r % 2 == 0 else ("off", "on"):
+            before = compiled_graphs()
+            rounds[side].append(
+                step_rows(engines[side], shape, prefill, batches, args.context, args.repeats, bw, rate)
+            )
+            compiled.append(compiled_graphs() - before)
+    for engine in engines.values():
+        engine.check_integrity()
+    rows = []
+    for i, first in enumerate(rounds["on"][0]):
+        on = [rs[i]["measured_ms"] for rs in rounds["on"]]
+        off = [rs[i]["measured_ms"] for rs in rounds["off"]]
+        ratios = [b / a for a, b in zip(on, off, strict=True)]
+        rows.append(
+            {
+                "step": first["step"],
+                "on_ms": on,
+                "off_ms": off,
+                "off_over_on": ratios,
+                "bound": first["bound"],
+                "bound_ms": first["bound_ms"],
+                "on_over_bound": statistics.median(on) / first["bound_ms"],
+                "off_over_bound": statistics.median(off) / first["bound_ms"],
+            }
+        )
+    result = {
+        **_result_head(args, dev, dtype),
+        "ab": args.ab,
+        "rounds": args.rounds,
+        "engine_start_s": start_s,
+        "fused_projections": {side: e.fused_projections for side, e in engines.items()},
+        "linear_choices": {side: e.linear_choices for side, e in engines.items()},
+        "overlap_decode": {side: e.config.overlap_decode for side, e in engines.items()},
+        "torch": torch.__version__,
+        "bandwidth_GBps": bw / 1e9,
+        "gemm_TFLOPs": rate / 1e12,
+        "rows": rows,
+        "compiled_during_rounds": compiled,
+    }
+    table = [("step", f"{args.ab} on, ms", "off, ms", "off / on by round", "bound ms", "on / bound")]
+    for row in rows:
+        table.append(
+            (
+                row["step"],
+                f"{statistics.median(row['on_ms']):.2f}",
+                f"{statistics.median(row['off_ms']):.2f}",
+                ", ".join(f"{x:.3f}" for x in row["off_over_on"]),
+                f"{row['bound_ms']:.3f} ({row['bound']})",
+                f"{row['on_over_bound']:.2f}",
+            )
+        )
+    publish(
+        args.out,
+        f"The engine on one accelerator: {args.ab} on against off, in one process",
+        result,
+        table,
+        f"device: {result['device']}, copy {bw / 1e9:.0f} GB/s, matmul {rate / 1e12:.0f} TFLOP/s "
+        f"({result['dtype']}); compiled {args.compile}; {args.rounds} rounds, each engine's steps timed "
+        f"{args.repeats} times a round (median); medians of the rounds' figures",
         args.json,
         getattr(args, "command", None),
     )

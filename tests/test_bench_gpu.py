@@ -52,3 +52,23 @@ def test_kernel_names_are_sorted_into_kinds() -> None:
     assert kernel_kind("_paged_decode") == "attention"
     assert kernel_kind("_merge_splits") == "attention"
     assert kernel_kind("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "other"
+
+
+def test_ab_times_two_engines_in_alternating_rounds(tmp_path: Path) -> None:
+    out = tmp_path / "ab"
+    cmd = [sys.executable, "-m", "bench.gpu", "--model", "tiny", "--device", "cpu", "--dtype", "float32"]
+    cmd += ["--prefill", "1x32", "--decode-batches", "1", "--context", "32", "--repeats", "2"]
+    cmd += ["--ab", "overlap-decode", "--rounds", "2", "--json", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.with_suffix(".json").read_text())["result"]
+    assert result["ab"] == "overlap-decode" and result["rounds"] == 2
+    assert result["overlap_decode"] == {"on": "on", "off": "off"}  # two engines, the knob each way
+    assert [r["step"] for r in result["rows"]] == ["prefill 1x32", "decode batch 1 @ 32"]
+    for row in result["rows"]:
+        assert len(row["on_ms"]) == len(row["off_ms"]) == 2 and min(row["on_ms"] + row["off_ms"]) > 0
+        for a, b, ratio in zip(row["on_ms"], row["off_ms"], row["off_over_on"], strict=True):
+            assert abs(ratio - b / a) < 1e-9
+    assert len(result["compiled_during_rounds"]) == 4  # each engine once a round
+    bad = subprocess.run(cmd + ["--rounds", "0"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--rounds must be >= 1" in bad.stderr

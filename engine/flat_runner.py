@@ -227,7 +227,6 @@ class FlatRunner:
         logits, _ = self.run([(r, 1) for r in reqs])
         return logits
 
-    @torch.inference_mode()
     def decode_ahead(self, reqs: Sequence[Request], token_ids: torch.Tensor) -> torch.Tensor:
         """A decode step queued behind the previous one without waiting for its tokens: request ``i`` computes
         position ``r.num_tokens`` (``r.num_computed_tokens`` already counts the previous step) with token
@@ -237,6 +236,8 @@ class FlatRunner:
             key = self._graph_key(items, ahead=True)
             if key is not None:
                 return self._replay(key, items, token_ids)
+        # Inputs made outside inference mode, as run()'s are (token_ids, made under it, goes into a normal tensor
+        # here): a compiled forward guards on the difference and would compile again on the first step ahead.
         batch = self.prepare(items, ahead=True)
         b = len(reqs)
         batch.input_ids = torch.cat((token_ids, batch.input_ids[b:]))  # padding rows keep their ids

@@ -140,3 +140,31 @@ def test_flat_compile_is_one_dynamic_graph_exact_and_in_place(hf_reference) -> N
     cache_shape = "(" + ", ".join(map(str, kv.shape)) + ")"
     assert not [line for line in code.splitlines() if "empty_strided" in line and cache_shape in line]
     engine.check_integrity()
+
+
+def test_flat_compile_with_overlapped_decode_compiles_nothing_at_run_time(hf_reference) -> None:
+    # A step launched ahead takes the previous step's tokens from the device: its input ids must be the same kind
+    # of tensor as a plain step's (a normal tensor, not one made under inference mode), or the compiled forward's
+    # guards miss on the first overlapped step and it compiles again while serving.
+    from engine.config import CacheConfig, SchedulerConfig
+
+    engine = LLMEngine(
+        small_config(
+            compile=True,
+            skip_warmup=False,
+            shape_policy="flat",
+            overlap_decode="on",
+            cache=CacheConfig(block_size=16, num_blocks=512),
+            scheduler=SchedulerConfig(
+                max_model_len=128, max_num_seqs=2, max_num_prefill_seqs=2, max_num_batched_tokens=64
+            ),
+        )
+    )
+    prompts = random_prompts([12, 30], seed=8)
+    reqs = [Request(f"o{i}", p, SamplingParams(max_tokens=6)) for i, p in enumerate(prompts)]
+    engine.generate(reqs)
+    assert engine.stats["overlapped_steps"] > 0
+    assert engine.runner.runtime_compilations == 0
+    for r in reqs:
+        assert r.output_token_ids == hf_reference(engine.loaded.path).greedy(r.prompt_token_ids, 6)
+    engine.check_integrity()

@@ -251,7 +251,9 @@ def fuse_projections(model: torch.nn.Module) -> dict[str, int]:
         else:
             continue
         parts = [getattr(module, n) for n in names]
-        extras["fused_linear"] = _concatenate(parts)
+        with torch.inference_mode(False), torch.no_grad():
+            # Normal tensors, as the loaded weights are (a compiled forward guards on the kind of its tensors).
+            extras["fused_linear"] = _concatenate(parts)
         module.__dict__.update(extras)
         why = _disagreement(module, forward, gen)
         if why is not None:
@@ -260,7 +262,8 @@ def fuse_projections(model: torch.nn.Module) -> dict[str, int]:
             logger.info("%s keeps its own forward: %s", type(module).__name__, why)
             counts["kept"] += 1
             continue
-        _share_storage(module.__dict__["fused_linear"], parts)
+        with torch.inference_mode(False), torch.no_grad():
+            _share_storage(extras["fused_linear"], parts)
         module.forward = MethodType(forward, module)
         counts[kind] += 1
     if any(counts.values()):

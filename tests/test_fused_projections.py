@@ -211,3 +211,17 @@ def test_a_kept_module_says_why(caplog) -> None:
         counts = fuse_projections(model)
     assert counts == {"attention": 0, "mlp": 1, "kept": 1}
     assert "keeps its own forward: outputs differ by" in caplog.text
+
+
+def test_fused_weights_are_normal_tensors_as_the_loaded_ones() -> None:
+    # Built under inference mode they would be inference tensors, which a compiled forward tells apart from the
+    # loaded weights it was traced with.
+    model = _tiny()
+    fuse_projections(model)
+    attn = model.model.layers[0].self_attn
+    for t in (
+        fused_linear_of(attn).weight,
+        attn.q_proj.weight,
+        fused_linear_of(model.model.layers[0].mlp).weight,
+    ):
+        assert not t.is_inference() and not t.requires_grad

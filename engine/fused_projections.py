@@ -251,9 +251,18 @@ def fuse_projections(model: torch.nn.Module) -> dict[str, int]:
         else:
             continue
         parts = [getattr(module, n) for n in names]
-        with torch.inference_mode(False), torch.no_grad():
-            # Normal tensors, as the loaded weights are (a compiled forward guards on the kind of its tensors).
-            extras["fused_linear"] = _concatenate(parts)
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                # Normal tensors, as the loaded weights are (a compiled forward guards on the kind of its tensors).
+                extras["fused_linear"] = _concatenate(parts)
+        except torch.OutOfMemoryError:
+            # The concatenation needs one more copy of this module's weights for a moment; a model that fills
+            # the device runs its linears apart rather than failing to start.
+            logger.warning(
+                "%s keeps its own forward: no device memory for its fused weights", type(module).__name__
+            )
+            counts["kept"] += 1
+            continue
         module.__dict__.update(extras)
         why = _disagreement(module, forward, gen)
         if why is not None:

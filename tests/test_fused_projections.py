@@ -225,3 +225,29 @@ def test_fused_weights_are_normal_tensors_as_the_loaded_ones() -> None:
         fused_linear_of(model.model.layers[0].mlp).weight,
     ):
         assert not t.is_inference() and not t.requires_grad
+
+
+def test_a_module_without_memory_for_its_fused_weights_keeps_its_forward(monkeypatch, caplog) -> None:
+    # Fault injection: the first concatenation finds the device full (a model that fills it); that module keeps
+    # its separate linears, the rest are fused, and the model still computes what it did.
+    import engine.fused_projections as fp
+
+    plain = _tiny()
+    model = copy.deepcopy(plain)
+    real, calls = fp._concatenate, []
+
+    def full_once(parts):
+        calls.append(len(parts))
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("device full")
+        return real(parts)
+
+    monkeypatch.setattr(fp, "_concatenate", full_once)
+    with caplog.at_level("WARNING", logger="engine.fused_projections"):
+        counts = fuse_projections(model)
+    layers = model.config.num_hidden_layers
+    assert counts["kept"] == 1 and counts["attention"] + counts["mlp"] == 2 * layers - 1
+    assert "no device memory for its fused weights" in caplog.text
+    ids = torch.randint(0, plain.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids.to(TEST_DEVICE)).logits, plain(ids.to(TEST_DEVICE)).logits)

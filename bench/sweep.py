@@ -146,6 +146,13 @@ def register(sub) -> None:
         help="with --priority-mix: offline requests meet their SLO within F times the TTFT and TPOT bounds "
         "(default 1: one SLO for every request)",
     )
+    p.add_argument(
+        "--same-prompts",
+        action="store_true",
+        help="every rate sends the same requests (arrival gaps scaled to the rate) instead of a draw of its own: "
+        "the curve then moves with the rate alone; not with vllm, whose prefix cache would serve every rate after "
+        "the first",
+    )
     p.add_argument("--model", default="small")
     p.add_argument(
         "--slo-ttft-ms", type=float, default=None, help=f"default: {SLO_FACTOR:g}x unloaded TTFT of (a)"
@@ -217,6 +224,15 @@ def run(args: argparse.Namespace) -> int:
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2
+    if args.same_prompts and (
+        args.client == "vllm" or "vllm" in args.systems or "prefix-caching" in args.serve_args
+    ):
+        print(
+            "error: --same-prompts sends one set of prompts at every rate, which a prefix cache (vLLM's, or ours "
+            "with --prefix-caching) would serve from the second rate on: leave it out, or drop --same-prompts",
+            file=sys.stderr,
+        )
+        return 2
     try:
         online_share = parse_priority_mix(args.priority_mix)
         tokenizer = load_tokenizer(args.model)
@@ -235,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
                 args.num_prompts,
                 rate,
                 tokenizer,
-                seed=draw_seed(args.seed, rate, draw),
+                seed=draw_seed(args.seed, rate, draw, same_every_rate=args.same_prompts),
                 burstiness=args.burstiness,
                 max_model_len=args.max_model_len,
                 max_output_len=args.max_output_len,
@@ -250,8 +266,18 @@ def run(args: argparse.Namespace) -> int:
     if args.keep_from:
         try:
             kept_slo, runs = load_kept(args.keep_from, args.systems)
+            kept_same = bool(
+                json.loads(Path(args.keep_from).read_text())["config"].get("same_prompts", False)
+            )
         except (OSError, ValueError, KeyError, TypeError) as e:
             print(f"error: --keep-from {args.keep_from}: {e}", file=sys.stderr)
+            return 2
+        if kept_same != args.same_prompts:
+            print(
+                f"error: --keep-from {args.keep_from} was measured {'with' if kept_same else 'without'} "
+                "--same-prompts: its systems saw other requests than this sweep's would",
+                file=sys.stderr,
+            )
             return 2
         # The kept systems were measured against these SLOs: the new ones must be too, unless told otherwise.
         if args.slo_ttft_ms is None and args.slo_tpot_ms is None and kept_slo.get("ttft_ms"):
@@ -271,8 +297,13 @@ def run(args: argparse.Namespace) -> int:
         f"Run on {os.cpu_count()} CPU cores shared with other work on the machine; figures move with its load.",
         "Static batching returns each request's tokens at once when its batch ends: its TTFT is the whole "
         "batch's time and its TPOT is near zero.",
-        "Each rate sends prompts of its own (seeded from --seed and the rate), from the same distribution: a "
-        "server that caches prefixes (vLLM does by default) gains nothing from an earlier rate's prompts.",
+        (
+            "Every rate sends the same requests (--same-prompts: seeded from --seed alone, the arrival gaps "
+            "scaled to the rate); no system here caches prefixes (the option refuses vLLM and --prefix-caching)."
+            if args.same_prompts
+            else "Each rate sends prompts of its own (seeded from --seed and the rate), from the same distribution: "
+            "a server that caches prefixes (vLLM does by default) gains nothing from an earlier rate's prompts."
+        ),
         colocated_note(args.colocated_workers),
     ]
     if args.client == "vllm":
@@ -290,6 +321,7 @@ def run(args: argparse.Namespace) -> int:
         "offline_slo_scale": args.offline_slo_scale,
         "model": args.model,
         "seed": args.seed,
+        "same_prompts": args.same_prompts,
         "target": args.target,
         "max_model_len": args.max_model_len,
         "max_output_len": args.max_output_len,

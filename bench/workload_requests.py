@@ -26,11 +26,15 @@ class BenchRequest:
     request_id: str = ""
 
 
-def draw_seed(seed: int, rate: float, draw: str = "load") -> int:
+def draw_seed(seed: int, rate: float, draw: str = "load", same_every_rate: bool = False) -> int:
     """The seed of one rate's requests (``draw``: "load", or "probe-N" for a run of the unloaded probe): each rate
     of a sweep sends prompts of its own, from the same distribution. With one set of prompts at every rate, a server that
-    caches prefixes (vLLM does by default) would serve every rate after the first from its cache."""
-    return zlib.crc32(f"{seed}:{rate:g}:{draw}".encode())
+    caches prefixes (vLLM does by default) would serve every rate after the first from its cache.
+
+    ``same_every_rate``: one seed for every rate instead, so each rate sends the same requests (prompts, classes,
+    and the same arrival gaps scaled to the rate): for servers that cache no prefixes, a curve that moves with the
+    rate alone rather than with each rate's draw too."""
+    return zlib.crc32(f"{seed}:{0.0 if same_every_rate else rate:g}:{draw}".encode())
 
 
 def parse_priority_mix(spec: str | None) -> float | None:

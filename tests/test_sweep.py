@@ -291,3 +291,58 @@ def test_the_report_names_the_colocated_system_size() -> None:
     )
     assert "one worker with all the cores" in colocated_note(1)
     assert "3 workers;" in colocated_note(3)
+
+
+# --------------------------------------------------------------------------- the same requests at every rate
+
+
+def test_same_prompts_send_one_set_of_requests_at_every_rate() -> None:
+    from bench.workload_requests import draw_seed, make_requests
+    from engine.model_loader import load_tokenizer
+
+    tokenizer = load_tokenizer("tiny")
+
+    def load(rate: float, same: bool):
+        seed = draw_seed(0, rate, same_every_rate=same)
+        return make_requests(
+            "random", 12, rate, tokenizer, seed=seed, burstiness=0.25, online_share=0.5, max_model_len=512
+        )
+
+    slow, fast = load(2.0, True), load(8.0, True)
+    assert [r.prompt for r in slow] == [r.prompt for r in fast]
+    assert [r.priority for r in slow] == [r.priority for r in fast]
+    # The same bursts, four times as fast.
+    assert [r.send_at for r in fast] == pytest.approx([r.send_at / 4 for r in slow])
+    assert [r.prompt for r in load(2.0, False)] != [
+        r.prompt for r in load(8.0, False)
+    ]  # the default: a draw each
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--systems", "ours,vllm"], ["--systems", "ours", "--serve-args=--prefix-caching"]],
+)
+def test_same_prompts_refuse_a_prefix_cache(extra: list[str], capsys) -> None:
+    from bench.sweep import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["sweep", "--rates", "1,2", "--same-prompts", *extra])
+    assert args.func(args) == 2
+    assert "--same-prompts" in capsys.readouterr().err
+
+
+def test_keep_from_must_have_seen_the_same_kind_of_requests(tmp_path: Path, capsys) -> None:
+    from bench.sweep import register
+
+    config = {"workload": "mixed", "rates": [1.0, 2.0, 4.0], "model": "small", "target": 0.8}
+    doc = build_doc(config, derive_slos({"ours": {"ttft_ms": 40.0, "tpot_ms": 8.0}}), _runs())
+    config = {**config, "num_prompts": 40, "seed": 0, "max_model_len": 2048, "max_output_len": 128}
+    paths = write_sweep_report(tmp_path, {**doc, "config": config})  # no same_prompts: a draw per rate
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(
+        ["sweep", "--rates", "1,2", "--systems", "fcfs", "--same-prompts", "--keep-from", str(paths["json"])]
+    )
+    assert args.func(args) == 2
+    assert "was measured without --same-prompts" in capsys.readouterr().err

@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 # What --ab compares: start-up switches of the CUDA device (read when an engine is built) and the engine's
 # overlapped decode (its config), the one that changes anything on the CPU too.
 AB_KNOBS = ("fuse-projections", "skinny-gemm", "overlap-decode")
+# The CUDA device's start-up switches (engine/device/cuda.py) behind --fuse-projections and --skinny-gemm.
+CUDA_SWITCHES = {"fuse-projections": "FUSE_PROJECTIONS", "skinny-gemm": "SKINNY_GEMM"}
 
 
 def register(sub) -> None:
@@ -244,14 +246,11 @@ def run(args: argparse.Namespace) -> None:
         from engine.kernels import paged_decode_triton
 
         paged_decode_triton.MAX_SPLITS = args.max_decode_splits
-    if args.skinny_gemm == "off":  # before the engine loads its model
-        from engine.device import cuda as cuda_device
+    from engine.device import cuda as cuda_device
 
-        cuda_device.SKINNY_GEMM = False
-    if args.fuse_projections == "off":  # before the engine loads its model
-        from engine.device import cuda as cuda_device
-
-        cuda_device.FUSE_PROJECTIONS = False
+    for flag, value in (("skinny-gemm", args.skinny_gemm), ("fuse-projections", args.fuse_projections)):
+        if value == "off":  # before the engine loads its model
+            setattr(cuda_device, CUDA_SWITCHES[flag], False)
     if args.freeze is not None:  # before the engine compiles its forward
         flat_runner.FREEZE_WEIGHTS = {
             **flat_runner.FREEZE_WEIGHTS,
@@ -393,7 +392,7 @@ def _ab_engine(knob: str, on: bool, cfg):
 
     if knob == "overlap-decode":
         return LLMEngine(replace(cfg, overlap_decode="on" if on else "off"))
-    name = {"fuse-projections": "FUSE_PROJECTIONS", "skinny-gemm": "SKINNY_GEMM"}[knob]
+    name = CUDA_SWITCHES[knob]
     before = getattr(cuda_device, name)
     setattr(cuda_device, name, on)
     try:

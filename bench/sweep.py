@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.sweep_report import SYSTEMS, SystemRun, build_doc, load_kept, write_sweep_report
+from bench.sweep_report import SYSTEMS, SystemRun, build_doc, kept_from, write_sweep_report
 from bench.sweep_systems import DEFAULT_VLLM_PYTHON, run_system
 from bench.workloads import DEFAULT_DATASET
 
@@ -265,10 +265,9 @@ def run(args: argparse.Namespace) -> int:
     runs: list[SystemRun] = []
     if args.keep_from:
         try:
-            kept_slo, runs = load_kept(args.keep_from, args.systems)
-            kept_same = bool(
-                json.loads(Path(args.keep_from).read_text())["config"].get("same_prompts", False)
-            )
+            kept_doc = json.loads(Path(args.keep_from).read_text())
+            kept_slo, runs = kept_from(kept_doc, args.systems)
+            kept_same = bool(kept_doc["config"].get("same_prompts", False))
         except (OSError, ValueError, KeyError, TypeError) as e:
             print(f"error: --keep-from {args.keep_from}: {e}", file=sys.stderr)
             return 2

@@ -142,6 +142,16 @@ def probe_context(
     )
 
 
+def probe_rope(
+    tokens: int, head_dim: int, gen: torch.Generator, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random rotary cos/sin [1, T, D] for a probe of an attention layer, laid out as transformers lays its
+    frequencies (each half the same angles), at angles large enough to turn every pair."""
+    angles = torch.rand(1, tokens, head_dim // 2, generator=gen) * 100.0
+    angles = torch.cat((angles, angles), dim=-1)  # [1, T, D]
+    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+
+
 def _agrees(module: torch.nn.Module, attend: AttendFn, gen: torch.Generator) -> bool:
     """The fused forward against the module's own, on a short prompt (skinny linears) and a long one (oneDNN)."""
     q = module.q_proj
@@ -149,9 +159,7 @@ def _agrees(module: torch.nn.Module, attend: AttendFn, gen: torch.Generator) -> 
     rtol, atol = _PROBE_TOLERANCE[dtype]
     for tokens in (3, SKINNY_MAX_M + 1):
         x = torch.randn(1, tokens, q.in_features, generator=gen).to(dtype)
-        angles = torch.rand(1, tokens, d // 2, generator=gen) * 100.0
-        angles = torch.cat((angles, angles), dim=-1)  # [1, T, D], as transformers lays the frequencies out
-        rope = (angles.cos().to(dtype), angles.sin().to(dtype))
+        rope = probe_rope(tokens, d, gen, dtype)
         results = []
         for forward in (type(module).forward, _fused_forward):
             ctx = probe_context(module, tokens, attend)

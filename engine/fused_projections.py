@@ -29,6 +29,8 @@ from types import MethodType
 
 import torch
 
+from engine.fused_attention import probe_rope
+
 logger = logging.getLogger(__name__)
 
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj")
@@ -187,10 +189,7 @@ def _probe_inputs(module: torch.nn.Module, rows: int, gen: torch.Generator) -> d
     x = torch.randn(1, rows, first.in_features, generator=gen).to(device, dtype)
     if not hasattr(module, "fused_widths"):
         return {"x": x}
-    d = module.head_dim
-    angles = torch.rand(1, rows, d // 2, generator=gen) * 100.0
-    angles = torch.cat((angles, angles), dim=-1)  # [1, T, D], as transformers lays the frequencies out
-    rope = (angles.cos().to(device, dtype), angles.sin().to(device, dtype))
+    rope = probe_rope(rows, module.head_dim, gen, dtype, device)
     return {"hidden_states": x, "position_embeddings": rope, "attention_mask": None}
 
 

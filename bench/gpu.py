@@ -35,9 +35,33 @@ logger = logging.getLogger(__name__)
 
 # What --ab compares: start-up switches of the CUDA device (read when an engine is built) and the engine's
 # overlapped decode (its config), the one that changes anything on the CPU too.
-AB_KNOBS = ("fuse-projections", "skinny-gemm", "overlap-decode")
-# The CUDA device's start-up switches (engine/device/cuda.py) behind --fuse-projections and --skinny-gemm.
-CUDA_SWITCHES = {"fuse-projections": "FUSE_PROJECTIONS", "skinny-gemm": "SKINNY_GEMM"}
+AB_KNOBS = ("fuse-projections", "skinny-gemm", "kv-write-kernel", "split-greedy", "overlap-decode")
+# The CUDA device's start-up switches (engine/device/cuda.py), each behind its --FLAG on|off.
+CUDA_SWITCHES = {
+    "fuse-projections": "FUSE_PROJECTIONS",
+    "skinny-gemm": "SKINNY_GEMM",
+    "kv-write-kernel": "KV_WRITE_KERNEL",
+    "split-greedy": "SPLIT_GREEDY",
+}
+
+# What each switch's --FLAG on|off does (all on by default, as the device starts).
+SWITCH_HELP = {
+    "skinny-gemm": "time the Triton skinny GEMM against cuBLAS per weight shape at start-up and take it where faster",
+    "fuse-projections": "fuse each layer's Q/K/V and gate/up linears into one GEMM each where the device does (CUDA)",
+    "kv-write-kernel": "write each layer's new K and V with one Triton kernel (CUDA) instead of two index_copy_",
+    "split-greedy": "the greedy argmax over the vocabulary as a split reduction inside the decode graphs (CUDA)",
+}
+
+
+def _ab_knobs(text: str) -> tuple[str, ...]:
+    """``--ab``'s value: one knob, or several joined by commas (switched together)."""
+    knobs = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in knobs if k not in AB_KNOBS]
+    if not knobs or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown knob(s) {unknown or [text]}; choose from {', '.join(AB_KNOBS)}"
+        )
+    return knobs
 
 
 def register(sub) -> None:
@@ -79,18 +103,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
         help="with --compile: freeze the weights into the graph (q/k/v and gate/up concatenated by the "
         "compiler); default: the engine's own choice for the device",
     )
-    p.add_argument(
-        "--skinny-gemm",
-        choices=["on", "off"],
-        default="on",
-        help="time the Triton skinny GEMM against cuBLAS per weight shape at start-up and take it where faster",
-    )
-    p.add_argument(
-        "--fuse-projections",
-        choices=["on", "off"],
-        default="on",
-        help="fuse each layer's Q/K/V and gate/up linears into one GEMM each where the device does (CUDA)",
-    )
+    for flag, what in SWITCH_HELP.items():
+        p.add_argument(f"--{flag}", choices=["on", "off"], default="on", help=what)
     p.add_argument(
         "--overlap-decode",
         choices=["auto", "on", "off"],
@@ -99,10 +113,11 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--ab",
-        choices=AB_KNOBS,
+        type=_ab_knobs,
         default=None,
-        help="two engines in this process, the knob on and off, timed in alternating rounds (no profile, no "
-        "offline generation)",
+        metavar="KNOB[,KNOB...]",
+        help=f"two engines in this process, the knob on and off (several: switched together), timed in "
+        f"alternating rounds (no profile, no offline generation); knobs: {', '.join(AB_KNOBS)}",
     )
     p.add_argument("--rounds", type=int, default=3, help="with --ab: rounds of both engines' steps")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
@@ -184,9 +199,11 @@ def profile_decode(engine, batch: int, context: int, steps: int) -> dict:
     prof = profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU])
     times = time_decode(engine, batch, context, steps, around=lambda: prof)
     kernels: dict[str, float] = {}
+    launches = 0  # kernels run a step: in a captured graph each adds its start-up gap to the step's idle time
     for e in prof.key_averages():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total / 1e3 / steps  # ms a step
+            launches += e.count
     by_kind: dict[str, float] = {}
     for name, ms in kernels.items():
         kind = kernel_kind(name)
@@ -200,6 +217,7 @@ def profile_decode(engine, batch: int, context: int, steps: int) -> dict:
         "wall_ms": wall,
         "device_busy_ms": busy,
         "device_idle_ms": wall - busy,
+        "kernels_per_step": launches / steps,
         "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
         "top_kernels_ms": [{"kernel": name[:120], "ms": ms} for name, ms in top],
     }
@@ -248,9 +266,9 @@ def run(args: argparse.Namespace) -> None:
         paged_decode_triton.MAX_SPLITS = args.max_decode_splits
     from engine.device import cuda as cuda_device
 
-    for flag, value in (("skinny-gemm", args.skinny_gemm), ("fuse-projections", args.fuse_projections)):
-        if value == "off":  # before the engine loads its model
-            setattr(cuda_device, CUDA_SWITCHES[flag], False)
+    for flag, switch in CUDA_SWITCHES.items():
+        if getattr(args, flag.replace("-", "_")) == "off":  # before the engine loads its model
+            setattr(cuda_device, switch, False)
     if args.freeze is not None:  # before the engine compiles its forward
         flat_runner.FREEZE_WEIGHTS = {
             **flat_runner.FREEZE_WEIGHTS,
@@ -307,6 +325,8 @@ def run(args: argparse.Namespace) -> None:
         "frozen_weights": args.compile and engine_frozen,
         "overlap_decode": engine_overlap,
         "skinny_gemm": args.skinny_gemm,
+        "kv_write_kernel": args.kv_write_kernel,
+        "split_greedy": args.split_greedy,
         "fused_projections": engine_fused,
         "linear_choices": linear_choices,
         "torch": torch.__version__,
@@ -343,7 +363,7 @@ def run(args: argparse.Namespace) -> None:
                 kinds,
                 f"{profiled['device_busy_ms']:.2f} busy",
                 "",
-                f"{profiled['device_idle_ms']:.2f} ms idle",
+                f"{profiled['device_idle_ms']:.2f} ms idle, {profiled['kernels_per_step']:.0f} kernels",
             )
         )
     if offline:
@@ -365,7 +385,8 @@ def run(args: argparse.Namespace) -> None:
         f"device: {result['device']}, copy {bw / 1e9:.0f} GB/s, matmul {rate / 1e12:.0f} TFLOP/s "
         f"({result['dtype']}); engine started in {start_s:.1f} s; compiled {args.compile} (weights frozen "
         f"{result['frozen_weights']}), decode steps overlapped {engine_overlap}, "
-        f"skinny GEMM {args.skinny_gemm}, projections fused {engine_fused or 'none'}",
+        f"skinny GEMM {args.skinny_gemm}, projections fused {engine_fused or 'none'}, K/V write kernel "
+        f"{args.kv_write_kernel}, split greedy {args.split_greedy}",
         args.json,
         getattr(args, "command", None),
     )
@@ -383,22 +404,24 @@ def _result_head(args: argparse.Namespace, dev, dtype) -> dict:
     }
 
 
-def _ab_engine(knob: str, on: bool, cfg):
-    """An engine built with ``knob`` on or off (the device's switch is put back as it was afterwards)."""
+def _ab_engine(knobs: tuple[str, ...], on: bool, cfg):
+    """An engine built with ``knobs`` on or off (the device's switches are put back as they were afterwards)."""
     from dataclasses import replace
 
     from engine.device import cuda as cuda_device
     from engine.llm_engine import LLMEngine
 
-    if knob == "overlap-decode":
-        return LLMEngine(replace(cfg, overlap_decode="on" if on else "off"))
-    name = CUDA_SWITCHES[knob]
-    before = getattr(cuda_device, name)
-    setattr(cuda_device, name, on)
+    if "overlap-decode" in knobs:
+        cfg = replace(cfg, overlap_decode="on" if on else "off")
+    names = [CUDA_SWITCHES[k] for k in knobs if k in CUDA_SWITCHES]
+    before = {name: getattr(cuda_device, name) for name in names}
+    for name in names:
+        setattr(cuda_device, name, on)
     try:
         return LLMEngine(cfg)
     finally:
-        setattr(cuda_device, name, before)
+        for name, value in before.items():
+            setattr(cuda_device, name, value)
 
 
 def run_ab(args: argparse.Namespace, cfg, prefill: list[tuple[int, int]], batches: list[int]) -> None:
@@ -458,7 +481,7 @@ def run_ab(args: argparse.Namespace, cfg, prefill: list[tuple[int, int]], batche
         )
     result = {
         **_result_head(args, dev, dtype),
-        "ab": args.ab,
+        "ab": ",".join(args.ab),
         "rounds": args.rounds,
         "engine_start_s": start_s,
         "fused_projections": {side: e.fused_projections for side, e in engines.items()},
@@ -470,7 +493,8 @@ def run_ab(args: argparse.Namespace, cfg, prefill: list[tuple[int, int]], batche
         "rows": rows,
         "compiled_during_rounds": compiled,
     }
-    table = [("step", f"{args.ab} on, ms", "off, ms", "off / on by round", "bound ms", "on / bound")]
+    knobs = "+".join(args.ab)
+    table = [("step", f"{knobs} on, ms", "off, ms", "off / on by round", "bound ms", "on / bound")]
     for row in rows:
         table.append(
             (
@@ -484,7 +508,7 @@ def run_ab(args: argparse.Namespace, cfg, prefill: list[tuple[int, int]], batche
         )
     publish(
         args.out,
-        f"The engine on one accelerator: {args.ab} on against off, in one process",
+        f"The engine on one accelerator: {knobs} on against off, in one process",
         result,
         table,
         f"device: {result['device']}, copy {bw / 1e9:.0f} GB/s, matmul {rate / 1e12:.0f} TFLOP/s "

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
-from engine.attention import write_slots
 from engine.forward_context import ForwardContext, current_context
 
 FLAT_ATTN_IMPLEMENTATION = "bucketserve_flat"
@@ -41,7 +40,7 @@ def attend_written_layer(
 def _write_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float):
     # query [T, H, D]; key/value [T, KVH, D]
     ctx = current_context()
-    write_slots(ctx.kv_data, layer, ctx.slot_mapping, key, value)
+    ctx.write(ctx.kv_data, layer, ctx.slot_mapping, key, value)
     return attend_written_layer(ctx, layer, query, scale)
 
 

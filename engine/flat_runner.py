@@ -24,6 +24,7 @@ from engine.device import Device
 from engine.forward_context import AttendFn, ForwardContext, forward_context
 from engine.kv_cache import KVCache
 from engine.request import Request
+from engine.sampler import greedy_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,9 @@ class FlatRunner:
         self.kv = kv_cache
         self.device = device
         self.attend = attend
+        self.write = device.kv_writer()  # the device's K/V writer, in every step's forward context
+        # Parts of the greedy argmax over the vocabulary, in the decode graphs and after eager steps.
+        self.greedy_splits = device.greedy_splits(model.lm_head.weight.shape[0])
         self.block_size = kv_cache.spec.block_size
         self.max_tokens = max_tokens  # the step's token budget: the largest T a forward pass sees
         self.warmed_up = False
@@ -180,6 +184,7 @@ class FlatRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             attend=self.attend,
+            write=self.write,
         )
         return FlatBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -211,7 +216,8 @@ class FlatRunner:
         if self._graphs and on_layer_written is None:
             key = self._graph_key(items)
             if key is not None:
-                return self._replay(key, items), [r for r, _ in items]
+                logits, _ = self._replay(key, items)
+                return logits.float(), [r for r, _ in items]
         batch = self.prepare(items)
         batch.ctx.on_layer_written = on_layer_written
         return self.execute(batch), batch.sampled
@@ -227,21 +233,24 @@ class FlatRunner:
         logits, _ = self.run([(r, 1) for r in reqs])
         return logits
 
-    def decode_ahead(self, reqs: Sequence[Request], token_ids: torch.Tensor) -> torch.Tensor:
-        """A decode step queued behind the previous one without waiting for its tokens: request ``i`` computes
-        position ``r.num_tokens`` (``r.num_computed_tokens`` already counts the previous step) with token
-        ``token_ids[i]`` [B], still on the device. Returns logits [B, vocab]; nothing here waits for the device."""
+    def decode_greedy(self, reqs: Sequence[Request], token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """A decode step of ``reqs``; returns each one's greedy token [B], on the device: nothing here waits for
+        it. With ``token_ids`` [B] (still on the device), a step queued behind the previous one without waiting
+        for its tokens: request ``i`` computes position ``r.num_tokens`` (``r.num_computed_tokens`` already
+        counts the previous step) with token ``token_ids[i]``."""
+        ahead = token_ids is not None
         items = [(r, 1) for r in reqs]
         if self._graphs:
-            key = self._graph_key(items, ahead=True)
+            key = self._graph_key(items, ahead=ahead)
             if key is not None:
-                return self._replay(key, items, token_ids)
+                return self._replay(key, items, token_ids)[1]
         # Inputs made outside inference mode, as run()'s are (token_ids, made under it, goes into a normal tensor
         # here): a compiled forward guards on the difference and would compile again on the first step ahead.
-        batch = self.prepare(items, ahead=True)
-        b = len(reqs)
-        batch.input_ids = torch.cat((token_ids, batch.input_ids[b:]))  # padding rows keep their ids
-        return self.execute(batch)
+        batch = self.prepare(items, ahead=ahead)
+        if ahead:
+            b = len(reqs)
+            batch.input_ids = torch.cat((token_ids, batch.input_ids[b:]))  # padding rows keep their ids
+        return greedy_tokens(self.execute(batch), self.greedy_splits)  # [B]
 
     # ------------------------------------------------------------------ decode graphs
     def _graph_key(self, items: Sequence[StepItem], ahead: bool = False) -> GraphKey | None:
@@ -296,7 +305,9 @@ class FlatRunner:
         table[len(items) :, 0] = null
         return host
 
-    def _graph_body(self, key: GraphKey, packed: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+    def _graph_body(
+        self, key: GraphKey, packed: torch.Tensor, query_start_loc: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # packed [4 * Bp + Bp * Wp] int64 (see _graph_inputs); query_start_loc [Bp + 1] int32, constant
         bp, wp = key
         ctx = ForwardContext(
@@ -306,20 +317,27 @@ class FlatRunner:
             seq_lens=packed[3 * bp : 4 * bp].to(torch.int32),
             query_start_loc=query_start_loc,
             attend=self.attend,
+            write=self.write,
         )
         with forward_context(ctx):
             hidden = self._forward_hidden(packed[:bp], packed[bp : 2 * bp])  # [Bp, hidden]
-        return self.model.lm_head(hidden).float()  # [Bp, vocab]
+        # Logits in the model's dtype (widened only where a sampler reads them) and the greedy tokens: a greedy
+        # step launched ahead reads only these ids.
+        logits = self.model.lm_head(hidden)  # [Bp, vocab]
+        return logits, greedy_tokens(logits, self.greedy_splits)  # [Bp]
 
     @torch.inference_mode()
     def _replay(
         self, key: GraphKey, items: Sequence[StepItem], token_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, vocab] in the model's dtype and greedy tokens [B] of a captured decode step."""
         static, replay = self._graphs[key]
         static["packed"].copy_(self._graph_inputs(items, key), non_blocking=True)
         if token_ids is not None:  # [B] ids of a step launched ahead, from the step before, on the device
             static["packed"][: len(items)].copy_(token_ids)
-        return replay()[: len(items)]  # [B, vocab]
+        logits, greedy = replay()
+        b = len(items)
+        return logits[:b], greedy[:b]
 
     @torch.inference_mode()
     def _capture_decode_graphs(self, budget: int | None) -> int:
@@ -361,6 +379,7 @@ class FlatRunner:
             seq_lens=torch.tensor([t], dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor([0, t], dtype=torch.int32, device=dev),
             attend=self.attend,
+            write=self.write,
         )
         batch = FlatBatch(
             input_ids=torch.zeros(t, dtype=torch.long, device=dev),

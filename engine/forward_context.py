@@ -13,9 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention import write_slots
+
 # paged_attention(out[T,H,D], q[T,H,D], k_cache[NB,BS,KVH,D], v_cache[NB,BS,KVH,D], block_table[B,W],
 #                 seq_lens[B], query_start_loc[B+1], scale) -> None; the device's operator.
 AttendFn = Callable[..., None]
+# write(kv_data[L,2,NB+1,BS,KVH,D], layer, slot_mapping[T], key[T,KVH,D], value[T,KVH,D]) -> None: the device's
+# K/V writer (``Device.kv_writer``).
+WriteFn = Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass
@@ -29,6 +34,7 @@ class ForwardContext:
     # Called with a layer's index once its new K/V are in the cache (a prefill worker streams layer i to the
     # decode worker while the layers after it compute).
     on_layer_written: Callable[[int], None] | None = None
+    write: WriteFn = write_slots  # writes a layer's new K/V into the cache; the runner sets the device's
 
 
 _current: ForwardContext | None = None

@@ -134,7 +134,7 @@ class LLMEngine:
             self._step = self._step_buckets
         self.limits = StepLimits(sched.max_num_seqs, sched.max_num_prefill_seqs, sched.max_num_batched_tokens)
         self.flat_limits = FlatLimits(sched.max_num_seqs, sched.max_num_batched_tokens, bs)
-        self.sampler = Sampler(cfg.seed)
+        self.sampler = Sampler(cfg.seed, self.device.greedy_splits(self.loaded.model.lm_head.weight.shape[0]))
         self.waiting: collections.deque[Request] = collections.deque()
         # Optional admission order of new requests (smaller key first; equal keys stay FCFS). None: FCFS.
         self.waiting_key: Callable[[Request], tuple] | None = None
@@ -368,13 +368,11 @@ class LLMEngine:
         for r in reqs:
             self._grow(r, r.num_tokens + ahead)
         with self.compute_cores([(r, 1) for r in reqs]):
-            # [B, vocab]
-            logits = self.runner.decode_ahead(reqs, tokens) if ahead else self.runner.decode(reqs)
+            greedy = self.runner.decode_greedy(reqs, tokens)  # [B], the sampler's greedy choice
         for r in reqs:
             r.num_computed_tokens += 1
         self.stats["decode_steps"] += 1
         self.stats["overlapped_steps"] += ahead
-        greedy = logits.argmax(-1)  # [B], the sampler's greedy choice
         host, wait = self.device.to_host_async(greedy)
         return PendingStep(reqs, greedy, host, wait)
 

@@ -17,9 +17,34 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return (shifted / temperature).to(logits.dtype)
 
 
+def split_count(vocab: int) -> int:
+    """Parts a split greedy argmax cuts ``vocab`` logits into: the most of 64, 32, 16 or 8 that divide it into
+    parts of at least 1,024; 1 (one reduction) when none does."""
+    for splits in (64, 32, 16, 8):
+        if vocab % splits == 0 and vocab // splits >= 1024:
+            return splits
+    return 1
+
+
+def greedy_tokens(logits: torch.Tensor, splits: int = 1) -> torch.Tensor:
+    """``logits.argmax(-1)`` [N] of logits [N, V], ties to the first index as argmax's, in ``splits`` parts: the
+    argmax of each part, then of the parts' maxima (a GPU runs one block per row in a plain argmax: 29 us over
+    128,256 logits on an H200, against a few for the split one). ``splits`` must divide V."""
+    if splits <= 1:
+        return logits.argmax(-1)
+    n, v = logits.shape
+    parts = logits.view(n, splits, v // splits)  # [N, S, V / S]
+    local = parts.argmax(-1)  # [N, S]: first maximum within each part
+    best = parts.gather(-1, local.unsqueeze(-1)).squeeze(-1)  # [N, S]: each part's maximum
+    part = best.argmax(-1, keepdim=True)  # [N, 1]: the first part holding the maximum
+    return part.squeeze(-1) * (v // splits) + local.gather(-1, part).squeeze(-1)  # [N]
+
+
 class Sampler:
-    def __init__(self, default_seed: int = 0) -> None:
+    def __init__(self, default_seed: int = 0, greedy_splits: int = 1) -> None:
+        """``greedy_splits``: parts of the greedy argmax (``greedy_tokens``), the device's choice."""
         self.default_seed = default_seed
+        self.greedy_splits = greedy_splits
         # One generator per seeded request, so its samples do not depend on its batch neighbours.
         self._generators: dict[str, torch.Generator] = {}
 
@@ -40,7 +65,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]) -> tuple[list[int], list[float] | None]:
         """logits: [N, vocab] fp32. Returns the chosen token per request and, if any asks, logprobs."""
-        greedy = logits.argmax(-1)  # [N]
+        greedy = greedy_tokens(logits, self.greedy_splits)  # [N]
         tokens = greedy.tolist()
         for i, r in enumerate(reqs):
             if not r.sampling.greedy:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.request import Request, SamplingParams
@@ -47,3 +48,25 @@ def test_a_tiny_temperature_samples_the_argmax_instead_of_failing() -> None:
     reqs.append(_req("p", temperature=5e-324, top_p=5e-324, top_k=3))
     tokens, _ = Sampler()(torch.cat([logits, logits[:1]]), reqs)
     assert tokens == torch.cat([logits, logits[:1]]).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(("vocab", "parts"), [(128256, 64), (151936, 64), (65536, 64), (8200, 8), (4096, 1)])
+def test_split_greedy_is_argmax_ties_and_nan_included(vocab: int, parts: int) -> None:
+    """The split argmax picks what ``argmax`` picks, the first index among equal maxima and a NaN as argmax does,
+    in as many parts as ``split_count`` makes (none under 1,024 logits) or forced into 8."""
+    from engine.sampler import greedy_tokens, split_count
+
+    assert split_count(vocab) == parts
+    splits = max(parts, 8)
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=g)
+    logits[1, [7, vocab // 2, vocab - 1]] = 50.0  # ties across parts: the first wins
+    logits[2, [vocab - 3, vocab - 2]] = 50.0  # ties within the last part
+    logits[3] = 0.0  # every logit equal: index 0
+    logits[4, vocab // 3] = float("nan")
+    want = logits.argmax(-1)
+    assert want[1] == 7 and want[2] == vocab - 3 and want[3] == 0
+    assert torch.equal(greedy_tokens(logits, splits), want)
+    assert torch.equal(greedy_tokens(logits.bfloat16(), splits), logits.bfloat16().argmax(-1))
+    with pytest.raises(RuntimeError):
+        greedy_tokens(logits[:, : vocab - 1], 64)  # a split that does not divide V is refused, not rounded

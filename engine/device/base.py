@@ -82,6 +82,18 @@ class Device(abc.ABC):
 
         return paged_attention_ref
 
+    def kv_writer(self) -> Callable[..., None]:
+        """How the flat runner writes a layer's new K/V into the paged cache (``forward_context.WriteFn``): two
+        ``index_copy_`` unless the device has a kernel of its own. Chosen once, when the runner is built."""
+        from engine.attention import write_slots
+
+        return write_slots
+
+    def greedy_splits(self, vocab: int) -> int:
+        """Parts the greedy argmax over ``vocab`` logits is split into (``engine.sampler.greedy_tokens``): 1,
+        one reduction, unless the device runs a split one faster."""
+        return 1
+
     def decode_graph_widths(self, max_blocks: int) -> list[int]:
         """Block-table widths the flat runner captures decode graphs at (with ``flat_decode_graphs``), for
         sequences of up to ``max_blocks`` blocks: one width where the operator reads only the blocks each

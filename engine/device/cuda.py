@@ -27,6 +27,12 @@ def _triton_operator():
 SKINNY_GEMM = True
 # Whether start-up fuses each layer's Q/K/V and gate/up linears into one GEMM each (engine/fused_projections.py).
 FUSE_PROJECTIONS = True
+# Whether a layer's new K and V are written by one Triton kernel (engine/kernels/kv_write_triton.py) instead of
+# two index_copy_ kernels.
+KV_WRITE_KERNEL = True
+# Whether the greedy argmax over the vocabulary runs as a split reduction, inside the decode graphs
+# (engine.sampler.greedy_tokens), instead of torch's one-block argmax after the graph.
+SPLIT_GREEDY = True
 
 
 class CudaDevice(Device):
@@ -94,6 +100,25 @@ class CudaDevice(Device):
             }
             for (n, k), (config, timings) in picked.items()
         }
+
+    def kv_writer(self):
+        from engine.attention import write_slots
+
+        if not KV_WRITE_KERNEL:
+            return write_slots
+        try:
+            from engine.kernels.kv_write_triton import write_slots_triton
+        except ImportError as e:
+            logger.warning("Triton unavailable (%s): K/V written by index_copy_", e)
+            return write_slots
+        return write_slots_triton
+
+    def greedy_splits(self, vocab: int) -> int:
+        if not SPLIT_GREEDY:
+            return 1
+        from engine.sampler import split_count
+
+        return split_count(vocab)
 
     def paged_attention(self, dtype: torch.dtype | None = None):
         # Decode steps never read back to the host, so they can be captured as graphs.

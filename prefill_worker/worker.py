@@ -210,11 +210,13 @@ class PrefillWorker(EngineWorker):
         gate = self._gate(borrow_cores)
         try:
             # Waits for the lenders' decode steps in progress (at most one each); they step again after the forward.
-            with gate.borrow():
+            # Not free in time (a stuck lender): on its own cores.
+            with gate.borrow() as held:
                 start = time.time()
                 t0 = time.perf_counter()
                 hook = streamer.on_layer_written if streamer is not None else None
-                with borrowed_cores(self.cores, self.config.num_threads, borrow_cores) as threads:
+                lent = borrow_cores if held else ()
+                with borrowed_cores(self.cores, self.config.num_threads, lent) as threads:
                     # Back to its own cores as soon as the forward is done: the batch's requests decode on the lender.
                     outs = self.engine.prefill_only(reqs, on_layer_written=hook)
             self._core_shared += threads > self.config.num_threads

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -110,8 +111,32 @@ async def gather_all(backend, tasks: list[asyncio.Task], timeout: float) -> list
         t.cancel()
     raise AssertionError(
         f"{len(pending)} of {len(tasks)} requests did not end within {timeout:g} s; open streams {open_ids}, "
-        f"down {sorted(backend._down)}; controller state {state}; worker stats {stats}"
+        f"down {sorted(backend._down)}; controller state {state}; worker stats {stats}; "
+        f"core gate locks held {core_gate_holders()}"
     )
+
+
+def core_gate_holders() -> dict[str, list[int]]:
+    """Which processes hold each core gate lock of this node now (``worker/core_gate.py``), from /proc/locks: a
+    hang in core borrowing shows up as a lock held by a process that waits for something else."""
+    from worker.core_gate import gate_dir
+
+    try:
+        names = {os.stat(os.path.join(gate_dir(), n)).st_ino: n for n in os.listdir(gate_dir())}
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        return {"unreadable": [], "error": [repr(e)]}  # type: ignore[dict-item]
+    held: dict[str, list[int]] = {}
+    for line in lines:
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 3846 fe:00:1466568 0 EOF"; a waiter's line has "->" after the number
+        if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK":
+            continue
+        inode = int(parts[5].rsplit(":", 1)[1])
+        if inode in names:
+            held.setdefault(names[inode], []).append(int(parts[4]))
+    return held
 
 
 async def wait_idle(backend, timeout: float = 10.0) -> dict[str, dict]:

@@ -14,6 +14,7 @@ from cluster_helpers import (
     NUM_BLOCKS,
     cluster_config,
     collect,
+    gather_all,
     make_request,
     wait_idle,
 )
@@ -444,11 +445,14 @@ def needy_prompt_beside_a_decode(backend, reference, pace: float, min_prompt: in
     async def run():
         started = asyncio.Event()
         first = asyncio.ensure_future(collect(backend, decoding, started))
-        await started.wait()
+        # A hang names what the cluster holds (and who holds the core gates) instead of pytest's timeout.
+        waiting = asyncio.ensure_future(started.wait())
+        await gather_all(backend, [waiting], 120)
         await asyncio.sleep(0.2)
         needy = make_request("needy", long_prompt, 8, seed=4)  # made when sent: its target counts from here
         needy.slo_ttft_ms = 0.8 * long_prompt * pace * 1e3
-        return needy, await collect(backend, needy), await first
+        second, done = await gather_all(backend, [asyncio.ensure_future(collect(backend, needy)), first], 180)
+        return needy, second, done
 
     needy, second, first = asyncio.run(run())
     for req, got in ((decoding, first), (needy, second)):

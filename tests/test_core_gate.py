@@ -172,3 +172,53 @@ def test_two_workers_that_borrow_each_others_cores_never_deadlock_nor_overlap(tm
     assert not any(t.is_alive() for t in threads), "deadlocked"
     assert overlaps == []
     assert min(counts.values()) > 20, counts
+
+
+def test_a_stuck_owner_costs_a_borrower_the_limit_then_it_runs_on_its_own(tmp_path, caplog) -> None:
+    """An owner that holds its cores far beyond a step (a stopped process, a hung step): the borrower gives up after
+    the wait limit, holds nothing (yields False, so its forward runs on its own cores) and says why; once the owner
+    lets go, borrowing works again."""
+    owner, borrower = CoreGate((4,), str(tmp_path)), CoreGate((4,), str(tmp_path))
+    stuck = owner.step(wait_limit_s=1.0)
+    stuck.__enter__()
+    try:
+        asked = time.monotonic()
+        with caplog.at_level("WARNING", logger="worker.core_gate"), borrower.borrow(wait_limit_s=0.3) as held:
+            waited = time.monotonic() - asked
+            assert held is False
+        assert 0.3 <= waited < 2.0, waited
+        assert "owner held them" in caplog.text and "(4,)" in caplog.text
+        # It left its turn free: a second borrower gets as far as the owner's lock too (not "another borrower").
+        caplog.clear()
+        third = CoreGate((4,), str(tmp_path))
+        with caplog.at_level("WARNING", logger="worker.core_gate"), third.borrow(wait_limit_s=0.05) as again:
+            assert again is False
+        assert "owner held them" in caplog.text and "another borrower" not in caplog.text
+        third.close()
+    finally:
+        stuck.__exit__(None, None, None)
+    with borrower.borrow(wait_limit_s=0.3) as held:
+        assert held is True
+    owner.close()
+    borrower.close()
+
+
+def test_a_stuck_borrower_costs_the_owner_the_limit_then_it_steps_beside_it(tmp_path, caplog) -> None:
+    """A borrower that never lets go (stopped mid-forward): the owner's step waits the limit, then runs anyway and
+    says why; the decode worker's requests go on, slower, instead of stalling for good."""
+    owner, borrower = CoreGate((6,), str(tmp_path)), CoreGate((6,), str(tmp_path))
+    stuck = borrower.borrow(wait_limit_s=1.0)
+    assert stuck.__enter__() is True
+    try:
+        asked = time.monotonic()
+        with caplog.at_level("WARNING", logger="worker.core_gate"), owner.step(wait_limit_s=0.3):
+            waited = time.monotonic() - asked
+        assert 0.3 <= waited < 2.0, waited
+        assert "stepping beside it" in caplog.text
+    finally:
+        stuck.__exit__(None, None, None)
+    asked = time.monotonic()
+    with owner.step(wait_limit_s=0.3):
+        assert time.monotonic() - asked < 0.2  # free again: no wait
+    owner.close()
+    borrower.close()

@@ -15,6 +15,12 @@ out). Two advisory file locks per core make the hand-over, in a directory of thi
 
 Locks are taken in core order (no cycle between two parties), are ``flock`` locks (the kernel drops them when a
 process dies, so a crashed borrower blocks nothing) and cost two system calls per lock: about 10 us a decode step.
+
+No wait is unbounded. A healthy party holds a gate for one step or one forward pass (under a second); one that
+holds it for ``WAIT_LIMIT_S`` is stuck (a stopped process, a hung step), and waiting on it would stall this worker
+and every request it holds. So a borrower that cannot get the cores in that time runs on its own (``borrow``
+yields False), and an owner that cannot steps anyway, sharing the core with the stuck party (slow, not stalled);
+either logs a warning that names the cores.
 Nothing here knows about requests or Ray.
 """
 
@@ -22,11 +28,18 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 
+logger = logging.getLogger(__name__)
+
 _GATE_DIR = os.path.join(tempfile.gettempdir(), f"bucketserve-cores-{os.getuid()}")
+# How long a party waits for a gate before it takes the other for stuck (see the module's docstring).
+WAIT_LIMIT_S = 5.0
+_POLL_S = 0.001  # between tries of a held lock: at most a millisecond added to a wait
 
 
 def gate_dir() -> str:
@@ -49,20 +62,50 @@ class CoreGate:
             self._turns.append(os.open(os.path.join(d, f"core-{c}.turn"), os.O_RDWR | os.O_CREAT, 0o600))
 
     @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """The owner's side, around one step: waits while a borrower holds the cores, holds them for the step."""
-        for t in self._turns:
-            fcntl.flock(t, fcntl.LOCK_EX)
-            fcntl.flock(t, fcntl.LOCK_UN)
-        with _held(self._locks):
+    def step(self, wait_limit_s: float | None = None) -> Iterator[None]:
+        """The owner's side, around one step: waits while a borrower holds the cores, holds them for the step (or,
+        after ``wait_limit_s``, default ``WAIT_LIMIT_S``, steps without them)."""
+        limit = WAIT_LIMIT_S if wait_limit_s is None else wait_limit_s
+        deadline = time.monotonic() + limit
+        if _take(self._turns, deadline):
+            _release(self._turns)
+        if not _take(self._locks, deadline):
+            logger.warning(
+                "cores %s: held by another process for over %.1f s; stepping beside it", self.cores, limit
+            )
             yield
+            return
+        try:
+            yield
+        finally:
+            _release(self._locks)
 
     @contextlib.contextmanager
-    def borrow(self) -> Iterator[None]:
-        """The borrower's side: waits for the owner's step in progress, then holds the cores until the block ends;
-        the owner's next step waits for that."""
-        with _held(self._turns), _held(self._locks):
-            yield
+    def borrow(self, wait_limit_s: float | None = None) -> Iterator[bool]:
+        """The borrower's side: waits for the owner's step in progress, then holds the cores until the block ends
+        (the owner's next step waits for that) and yields True; False when they were not free within
+        ``wait_limit_s`` (default ``WAIT_LIMIT_S``): then the block must run on the borrower's own cores."""
+        limit = WAIT_LIMIT_S if wait_limit_s is None else wait_limit_s
+        deadline = time.monotonic() + limit
+        if not _take(self._turns, deadline):
+            logger.warning(
+                "cores %s: another borrower held them for over %.1f s; not borrowing", self.cores, limit
+            )
+            yield False
+            return
+        try:
+            if not _take(self._locks, deadline):
+                logger.warning(
+                    "cores %s: their owner held them for over %.1f s; not borrowing", self.cores, limit
+                )
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                _release(self._locks)
+        finally:
+            _release(self._turns)
 
     def close(self) -> None:
         for fd in (*self._locks, *self._turns):
@@ -71,13 +114,22 @@ class CoreGate:
         self._locks, self._turns = [], []
 
 
-@contextlib.contextmanager
-def _held(fds: list[int]) -> Iterator[None]:
-    """Exclusive locks on ``fds`` (in their order, which is core order) for the block."""
-    for fd in fds:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    try:
-        yield
-    finally:
-        for fd in reversed(fds):
-            fcntl.flock(fd, fcntl.LOCK_UN)
+def _take(fds: list[int], deadline: float) -> bool:
+    """Exclusive locks on ``fds``, in their order (core order), by ``deadline`` (``time.monotonic()``); False, with
+    none of them held, when one stayed held by another party until then."""
+    for i, fd in enumerate(fds):
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    _release(fds[:i])
+                    return False
+                time.sleep(_POLL_S)
+    return True
+
+
+def _release(fds: list[int]) -> None:
+    for fd in reversed(fds):
+        fcntl.flock(fd, fcntl.LOCK_UN)

@@ -101,11 +101,18 @@ class NeighbourCores:
         gate = self._gates.get(key)
         if gate is None:
             gate = self._gates[key] = CoreGate(key)
-        with gate.borrow(), borrowed_cores(self.own, self.num_threads, borrow) as threads:
-            if threads > self.num_threads:
-                self.widened_steps += 1
-                self._lenders.extend(dict.fromkeys(self.owners[c] for c in borrow))
-            yield widened_speedup(len(self.own), threads - self.num_threads)  # 1.0 when nothing was widened
+        with gate.borrow() as held:
+            if not held:  # a neighbour stuck holding its core: this step on its own cores, as any other
+                with self._gate.step():
+                    yield 1.0
+                return
+            with borrowed_cores(self.own, self.num_threads, borrow) as threads:
+                if threads > self.num_threads:
+                    self.widened_steps += 1
+                    self._lenders.extend(dict.fromkeys(self.owners[c] for c in borrow))
+                yield widened_speedup(
+                    len(self.own), threads - self.num_threads
+                )  # 1.0 when nothing was widened
 
     def _borrow(self, items: Sequence[tuple[Request, int]]) -> tuple[int, ...]:
         """The neighbours' cores this step runs on too (empty: its own only)."""

@@ -35,21 +35,30 @@ logger = logging.getLogger(__name__)
 
 # What --ab compares: start-up switches of the CUDA device (read when an engine is built) and the engine's
 # overlapped decode (its config), the one that changes anything on the CPU too.
-AB_KNOBS = ("fuse-projections", "skinny-gemm", "kv-write-kernel", "split-greedy", "overlap-decode")
+AB_KNOBS = (
+    "fuse-projections",
+    "skinny-gemm",
+    "kv-write-kernel",
+    "split-greedy",
+    "combo-kernels",
+    "overlap-decode",
+)
 # The CUDA device's start-up switches (engine/device/cuda.py), each behind its --FLAG on|off.
 CUDA_SWITCHES = {
     "fuse-projections": "FUSE_PROJECTIONS",
     "skinny-gemm": "SKINNY_GEMM",
     "kv-write-kernel": "KV_WRITE_KERNEL",
     "split-greedy": "SPLIT_GREEDY",
+    "combo-kernels": "COMBO_KERNELS",
 }
 
-# What each switch's --FLAG on|off does (all on by default, as the device starts).
+# What each switch's --FLAG on|off does (each defaults to the device's own setting).
 SWITCH_HELP = {
     "skinny-gemm": "time the Triton skinny GEMM against cuBLAS per weight shape at start-up and take it where faster",
     "fuse-projections": "fuse each layer's Q/K/V and gate/up linears into one GEMM each where the device does (CUDA)",
     "kv-write-kernel": "write each layer's new K and V with one Triton kernel (CUDA) instead of two index_copy_",
     "split-greedy": "the greedy argmax over the vocabulary as a split reduction inside the decode graphs (CUDA)",
+    "combo-kernels": "with --compile: launch independent elementwise kernels together (inductor's combo kernels, CUDA)",
 }
 
 
@@ -104,7 +113,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
         "compiler); default: the engine's own choice for the device",
     )
     for flag, what in SWITCH_HELP.items():
-        p.add_argument(f"--{flag}", choices=["on", "off"], default="on", help=what)
+        p.add_argument(
+            f"--{flag}", choices=["on", "off"], default=None, help=f"{what}; default: the device's own"
+        )
     p.add_argument(
         "--overlap-decode",
         choices=["auto", "on", "off"],
@@ -199,11 +210,13 @@ def profile_decode(engine, batch: int, context: int, steps: int) -> dict:
     prof = profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU])
     times = time_decode(engine, batch, context, steps, around=lambda: prof)
     kernels: dict[str, float] = {}
-    launches = 0  # kernels run a step: in a captured graph each adds its start-up gap to the step's idle time
+    counts: dict[str, float] = {}
     for e in prof.key_averages():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total / 1e3 / steps  # ms a step
-            launches += e.count
+            counts[e.key] = counts.get(e.key, 0.0) + e.count / steps
+    # Kernels run a step: in a captured graph each adds its start-up gap to the step's idle time.
+    launches = sum(counts.values())
     by_kind: dict[str, float] = {}
     for name, ms in kernels.items():
         kind = kernel_kind(name)
@@ -217,9 +230,14 @@ def profile_decode(engine, batch: int, context: int, steps: int) -> dict:
         "wall_ms": wall,
         "device_busy_ms": busy,
         "device_idle_ms": wall - busy,
-        "kernels_per_step": launches / steps,
+        "kernels_per_step": launches,
         "by_kind_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
         "top_kernels_ms": [{"kernel": name[:120], "ms": ms} for name, ms in top],
+        # Every kernel: ms and launches a step, busiest first.
+        "kernels": [
+            {"kernel": name[:160], "ms": ms, "per_step": counts[name]}
+            for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])
+        ],
     }
 
 
@@ -267,8 +285,10 @@ def run(args: argparse.Namespace) -> None:
     from engine.device import cuda as cuda_device
 
     for flag, switch in CUDA_SWITCHES.items():
-        if getattr(args, flag.replace("-", "_")) == "off":  # before the engine loads its model
-            setattr(cuda_device, switch, False)
+        value = getattr(args, flag.replace("-", "_"))
+        if value is not None:  # before the engine loads its model
+            setattr(cuda_device, switch, value == "on")
+        setattr(args, flag.replace("-", "_"), "on" if getattr(cuda_device, switch) else "off")  # as reported
     if args.freeze is not None:  # before the engine compiles its forward
         flat_runner.FREEZE_WEIGHTS = {
             **flat_runner.FREEZE_WEIGHTS,
@@ -327,6 +347,7 @@ def run(args: argparse.Namespace) -> None:
         "skinny_gemm": args.skinny_gemm,
         "kv_write_kernel": args.kv_write_kernel,
         "split_greedy": args.split_greedy,
+        "combo_kernels": args.combo_kernels,
         "fused_projections": engine_fused,
         "linear_choices": linear_choices,
         "torch": torch.__version__,

@@ -43,16 +43,19 @@ def compiled_graphs() -> int:
 FREEZE_WEIGHTS = {"cpu": True, "cuda": False}
 
 
-def compile_flat_forward(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device_type: str):
+def compile_flat_forward(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device_type: str, options: dict | None = None
+):
     """``torch.compile`` for flat steps, with the inductor cache under ``$BUCKETSERVE_CACHE`` so a later start
-    reuses the generated code; the weights frozen where ``FREEZE_WEIGHTS`` says. The other gain is the fused
-    elementwise work (norms, rotary, activations) between the GEMMs."""
+    reuses the generated code; the weights frozen where ``FREEZE_WEIGHTS`` says, and the device's own inductor
+    ``options`` (``Device.compile_options``). The other gain is the fused elementwise work (norms, rotary,
+    activations) between the GEMMs."""
     import os
 
     from engine.model_builder import cache_root
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
-    options = {"freezing": True} if FREEZE_WEIGHTS.get(device_type, False) else {}
+    options = {**(options or {}), **({"freezing": True} if FREEZE_WEIGHTS.get(device_type, False) else {})}
     return torch.compile(fn, dynamic=False, options=options)
 
 
@@ -112,7 +115,7 @@ class FlatRunner:
         self._compiled = None
         self._graphs_at_warmup = 0
         if compile_forward and device.name in ("cpu", "cuda"):
-            self._compiled = compile_flat_forward(self._eager_forward, device.name)
+            self._compiled = compile_flat_forward(self._eager_forward, device.name, device.compile_options())
             self._forward_hidden = self._compiled_forward
             self.min_tokens = 2
         self._graph_shapes: list[GraphKey] = []

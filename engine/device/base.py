@@ -82,6 +82,10 @@ class Device(abc.ABC):
 
         return paged_attention_ref
 
+    def compile_options(self) -> dict:
+        """Inductor options this device adds when the flat forward is compiled (none by default)."""
+        return {}
+
     def kv_writer(self) -> Callable[..., None]:
         """How the flat runner writes a layer's new K/V into the paged cache (``forward_context.WriteFn``): two
         ``index_copy_`` unless the device has a kernel of its own. Chosen once, when the runner is built."""

@@ -30,6 +30,12 @@ FUSE_PROJECTIONS = True
 # Whether a layer's new K and V are written by one Triton kernel (engine/kernels/kv_write_triton.py) instead of
 # two index_copy_ kernels.
 KV_WRITE_KERNEL = True
+# Whether the compiled forward launches independent elementwise kernels together (inductor's combo kernels). A
+# layer's rotary of Q, of K and the copy of V are three launches, 55 us of a batch-1 step of llama3-8b-l8 on an
+# H200. Combined, the step ran 103 kernels instead of 119 and its small kernels took 0.09 ms instead of 0.13, but
+# the batch-1 step did not get shorter (1.44 against 1.43 ms; batch 8 2-3% shorter), measured in one process
+# (bench gpu --ab combo-kernels): off until a step gains from it.
+COMBO_KERNELS = False
 # Whether the greedy argmax over the vocabulary runs as a split reduction, inside the decode graphs
 # (engine.sampler.greedy_tokens), instead of torch's one-block argmax after the graph.
 SPLIT_GREEDY = True
@@ -100,6 +106,9 @@ class CudaDevice(Device):
             }
             for (n, k), (config, timings) in picked.items()
         }
+
+    def compile_options(self) -> dict:
+        return {"combo_kernels": True} if COMBO_KERNELS else {}
 
     def kv_writer(self):
         from engine.attention import write_slots

@@ -44,6 +44,24 @@ def test_device_contract(name: str) -> None:
     host, wait = dev.to_host_async(product)
     wait()
     assert host.device.type == "cpu" and torch.equal(host, product.cpu())
+    # The flat runner's per-device choices: a K/V writer that writes what two index_copy_ write, a greedy split
+    # that divides the vocabulary (or 1) and picks what argmax picks, and inductor options as a dict.
+    from engine.attention import write_slots
+    from engine.sampler import greedy_tokens
+
+    kv = torch.randn(2, 2, 5, 4, 2, 8, device=dev.torch_device)  # [L, 2, NB + 1, BS, KVH, D]
+    slots = torch.tensor([3, 17, 9], device=dev.torch_device)
+    k, v = torch.randn(2, 3, 2, 8, device=dev.torch_device)
+    want, got = kv.clone(), kv.clone()
+    write_slots(want, 1, slots, k, v)
+    dev.kv_writer()(got, 1, slots, k, v)
+    assert torch.equal(got, want)
+    for vocab in (1000, 128256):
+        splits = dev.greedy_splits(vocab)
+        assert splits >= 1 and vocab % splits == 0
+        logits = torch.randn(3, vocab, device=dev.torch_device)
+        assert torch.equal(greedy_tokens(logits, splits), logits.argmax(-1))
+    assert isinstance(dev.compile_options(), dict)
 
 
 def test_auto_picks_a_present_device_and_absent_ones_fail_clearly() -> None:

@@ -39,7 +39,11 @@ logger = logging.getLogger(__name__)
 _GATE_DIR = os.path.join(tempfile.gettempdir(), f"bucketserve-cores-{os.getuid()}")
 # How long a party waits for a gate before it takes the other for stuck (see the module's docstring).
 WAIT_LIMIT_S = 5.0
-_POLL_S = 0.001  # between tries of a held lock: at most a millisecond added to a wait
+# Between tries of a held lock: from half a millisecond, doubling to 10 ms, so a wait for a step in progress ends
+# within a few milliseconds of it, and a wait through a forward pass of hundreds of milliseconds wakes a few dozen
+# times, not a thousand (each wake-up would take the core from the borrower's thread for a moment).
+_POLL_FIRST_S = 0.0005
+_POLL_MAX_S = 0.01
 
 
 def gate_dir() -> str:
@@ -118,15 +122,18 @@ def _take(fds: list[int], deadline: float) -> bool:
     """Exclusive locks on ``fds``, in their order (core order), by ``deadline`` (``time.monotonic()``); False, with
     none of them held, when one stayed held by another party until then."""
     for i, fd in enumerate(fds):
+        pause = _POLL_FIRST_S
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= deadline:
                     _release(fds[:i])
                     return False
-                time.sleep(_POLL_S)
+                time.sleep(min(pause, deadline - now))
+                pause = min(2 * pause, _POLL_MAX_S)
     return True
 
 

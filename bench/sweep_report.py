@@ -217,12 +217,8 @@ def write_sweep_report(out_dir: str | Path, doc: dict[str, Any]) -> dict[str, Pa
     return paths
 
 
-def load_kept(path: str | Path, rerun: Sequence[str]) -> tuple[dict[str, Any], list[SystemRun]]:
-    """The SLOs and the runs of the systems not in ``rerun`` from an earlier sweep's report.json."""
-    return kept_from(json.loads(Path(path).read_text()), rerun)
-
-
 def kept_from(doc: dict[str, Any], rerun: Sequence[str]) -> tuple[dict[str, Any], list[SystemRun]]:
-    """:func:`load_kept` on a report already read."""
+    """The SLOs and the runs of the systems not in ``rerun`` from an earlier sweep's report (its report.json,
+    read)."""
     keep = [SystemRun(**s) for s in doc.get("systems", []) if s["name"] not in rerun]
     return doc.get("slo") or {}, keep

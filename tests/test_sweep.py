@@ -272,13 +272,13 @@ def _running(pid: int) -> bool:
 
 
 def test_keep_from_carries_the_slos_and_the_systems_not_rerun(tmp_path: Path) -> None:
-    from bench.sweep_report import load_kept
+    from bench.sweep_report import kept_from
 
     config = {"workload": "mixed", "rates": [1.0, 2.0, 4.0], "model": "small", "target": 0.8}
     doc = build_doc(config, derive_slos({"ours": {"ttft_ms": 40.0, "tpot_ms": 8.0}}), _runs())
     paths = write_sweep_report(tmp_path, {**doc, "config": {**config, "num_prompts": 40, "seed": 0,
                                                             "max_model_len": 2048, "max_output_len": 128}})  # fmt: skip
-    slo, kept = load_kept(paths["json"], ["fcfs"])
+    slo, kept = kept_from(json.loads(paths["json"].read_text()), ["fcfs"])
     assert [r.name for r in kept] == ["ours", "vllm"]
     assert kept[0].points[1]["slo_attainment"] == 0.9 and kept[0].unloaded["ttft_ms"] == 40.0
     assert slo["ttft_ms"] == pytest.approx(200.0)

@@ -66,16 +66,17 @@ class CoreGate:
             self._turns.append(os.open(os.path.join(d, f"core-{c}.turn"), os.O_RDWR | os.O_CREAT, 0o600))
 
     @contextlib.contextmanager
-    def step(self, wait_limit_s: float | None = None) -> Iterator[None]:
+    def step(self, wait_limit_s: float = WAIT_LIMIT_S) -> Iterator[None]:
         """The owner's side, around one step: waits while a borrower holds the cores, holds them for the step (or,
-        after ``wait_limit_s``, default ``WAIT_LIMIT_S``, steps without them)."""
-        limit = WAIT_LIMIT_S if wait_limit_s is None else wait_limit_s
-        deadline = time.monotonic() + limit
+        after ``wait_limit_s``, steps without them)."""
+        deadline = time.monotonic() + wait_limit_s
         if _take(self._turns, deadline):
             _release(self._turns)
         if not _take(self._locks, deadline):
             logger.warning(
-                "cores %s: held by another process for over %.1f s; stepping beside it", self.cores, limit
+                "cores %s: held by another process for over %.1f s; stepping beside it",
+                self.cores,
+                wait_limit_s,
             )
             yield
             return
@@ -85,30 +86,25 @@ class CoreGate:
             _release(self._locks)
 
     @contextlib.contextmanager
-    def borrow(self, wait_limit_s: float | None = None) -> Iterator[bool]:
+    def borrow(self, wait_limit_s: float = WAIT_LIMIT_S) -> Iterator[bool]:
         """The borrower's side: waits for the owner's step in progress, then holds the cores until the block ends
         (the owner's next step waits for that) and yields True; False when they were not free within
-        ``wait_limit_s`` (default ``WAIT_LIMIT_S``): then the block must run on the borrower's own cores."""
-        limit = WAIT_LIMIT_S if wait_limit_s is None else wait_limit_s
-        deadline = time.monotonic() + limit
-        if not _take(self._turns, deadline):
+        ``wait_limit_s``: then the block must run on the borrower's own cores."""
+        deadline = time.monotonic() + wait_limit_s
+        holder = None if _take(self._turns, deadline) else "another borrower"
+        if holder is None and not _take(self._locks, deadline):
+            _release(self._turns)
+            holder = "their owner"
+        if holder is not None:
             logger.warning(
-                "cores %s: another borrower held them for over %.1f s; not borrowing", self.cores, limit
+                "cores %s: %s held them for over %.1f s; not borrowing", self.cores, holder, wait_limit_s
             )
             yield False
             return
         try:
-            if not _take(self._locks, deadline):
-                logger.warning(
-                    "cores %s: their owner held them for over %.1f s; not borrowing", self.cores, limit
-                )
-                yield False
-                return
-            try:
-                yield True
-            finally:
-                _release(self._locks)
+            yield True
         finally:
+            _release(self._locks)
             _release(self._turns)
 
     def close(self) -> None:

@@ -110,9 +110,8 @@ class NeighbourCores:
                 if threads > self.num_threads:
                     self.widened_steps += 1
                     self._lenders.extend(dict.fromkeys(self.owners[c] for c in borrow))
-                yield widened_speedup(
-                    len(self.own), threads - self.num_threads
-                )  # 1.0 when nothing was widened
+                # 1.0 when nothing was widened
+                yield widened_speedup(len(self.own), threads - self.num_threads)
 
     def _borrow(self, items: Sequence[tuple[Request, int]]) -> tuple[int, ...]:
         """The neighbours' cores this step runs on too (empty: its own only)."""

@@ -39,6 +39,7 @@ AB_KNOBS = (
     "fuse-projections",
     "skinny-gemm",
     "kv-write-kernel",
+    "rope-write-kernel",
     "split-greedy",
     "combo-kernels",
     "overlap-decode",
@@ -48,6 +49,7 @@ CUDA_SWITCHES = {
     "fuse-projections": "FUSE_PROJECTIONS",
     "skinny-gemm": "SKINNY_GEMM",
     "kv-write-kernel": "KV_WRITE_KERNEL",
+    "rope-write-kernel": "ROPE_WRITE_KERNEL",
     "split-greedy": "SPLIT_GREEDY",
     "combo-kernels": "COMBO_KERNELS",
 }
@@ -57,6 +59,8 @@ SWITCH_HELP = {
     "skinny-gemm": "time the Triton skinny GEMM against cuBLAS per weight shape at start-up and take it where faster",
     "fuse-projections": "fuse each layer's Q/K/V and gate/up linears into one GEMM each where the device does (CUDA)",
     "kv-write-kernel": "write each layer's new K and V with one Triton kernel (CUDA) instead of two index_copy_",
+    "rope-write-kernel": "rotate Q and K and write K/V into the cache with one Triton kernel a fused attention layer "
+    "(CUDA)",
     "split-greedy": "the greedy argmax over the vocabulary as a split reduction inside the decode graphs (CUDA)",
     "combo-kernels": "with --compile: launch independent elementwise kernels together (inductor's combo kernels, CUDA)",
 }
@@ -305,6 +309,7 @@ def run(args: argparse.Namespace) -> None:
     engine_overlap = engine.config.overlap_decode
     linear_choices = engine.linear_choices
     engine_fused = engine.fused_projections
+    engine_rope_writes = engine.rope_writes
     model = engine.loaded.model
     dtype = next(model.parameters()).dtype
     machine = measure_machine(dtype, args.repeats, str(dev))
@@ -346,6 +351,8 @@ def run(args: argparse.Namespace) -> None:
         "overlap_decode": engine_overlap,
         "skinny_gemm": args.skinny_gemm,
         "kv_write_kernel": args.kv_write_kernel,
+        "rope_write_kernel": args.rope_write_kernel,
+        "rope_write_layers": engine_rope_writes,
         "split_greedy": args.split_greedy,
         "combo_kernels": args.combo_kernels,
         "fused_projections": engine_fused,
@@ -407,7 +414,8 @@ def run(args: argparse.Namespace) -> None:
         f"({result['dtype']}); engine started in {start_s:.1f} s; compiled {args.compile} (weights frozen "
         f"{result['frozen_weights']}), decode steps overlapped {engine_overlap}, "
         f"skinny GEMM {args.skinny_gemm}, projections fused {engine_fused or 'none'}, K/V write kernel "
-        f"{args.kv_write_kernel}, split greedy {args.split_greedy}",
+        f"{args.kv_write_kernel}, rotary + K/V write kernel {args.rope_write_kernel} ({engine_rope_writes} layers), "
+        f"split greedy {args.split_greedy}",
         args.json,
         getattr(args, "command", None),
     )

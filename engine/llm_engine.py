@@ -101,8 +101,10 @@ class LLMEngine:
         # The controller's request buckets snap to these shapes whatever the policy; only "buckets" pads to them.
         self.buckets = self._make_buckets(plan.num_blocks)
         self.runner: FlatRunner | ModelRunner
+        self.rope_writes = 0  # attention layers whose rotary and K/V writes run as one kernel (flat policy)
         if cfg.shape_policy == "flat":
             self.loaded.model.set_attn_implementation(FLAT_ATTN_IMPLEMENTATION)
+            self.rope_writes = self.device.fuse_rope_writes(self.loaded.model)
             attend = self.device.paged_attention(getattr(torch, self.kv_spec.dtype))
             stack = None
             if self.device.name == "cpu" and not cfg.compile:

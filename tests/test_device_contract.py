@@ -62,6 +62,21 @@ def test_device_contract(name: str) -> None:
         logits = torch.randn(3, vocab, device=dev.torch_device)
         assert torch.equal(greedy_tokens(logits, splits), logits.argmax(-1))
     assert isinstance(dev.compile_options(), dict)
+    # Rotary and K/V writes in one kernel: a count of the layers that took it, each of them marked.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION
+    from engine.fused_rope_write import is_rope_write
+
+    torch.manual_seed(0)
+    sizes = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2
+    )
+    model = LlamaForCausalLM(LlamaConfig(**sizes, num_hidden_layers=2)).to(dev.torch_device).eval()
+    dev.fuse_projections(model)
+    model.set_attn_implementation(FLAT_ATTN_IMPLEMENTATION)
+    layers = dev.fuse_rope_writes(model)
+    assert 0 <= layers <= 2 and layers == sum(is_rope_write(m) for m in model.modules())
 
 
 def test_auto_picks_a_present_device_and_absent_ones_fail_clearly() -> None:

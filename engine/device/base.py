@@ -62,6 +62,12 @@ class Device(abc.ABC):
         (nothing where the device keeps them apart, as the CPU does: its prepacked path fuses on its own)."""
         return {}
 
+    def fuse_rope_writes(self, model: torch.nn.Module) -> int:
+        """Give, once at start-up, the attention layers of a model already on the flat attention implementation a
+        forward whose rotary embedding and K/V cache writes run as one kernel of this device's, where it has one
+        (see :mod:`engine.fused_rope_write`); returns how many layers took it (0 by default)."""
+        return 0
+
     def tune_linears(self, model: torch.nn.Module) -> dict[str, dict]:
         """Pick, once at start-up, the fastest way this device has to run each of the model's linear layers at
         decode-sized row counts; returns what was picked per weight shape (nothing where there is one way)."""

@@ -30,6 +30,11 @@ FUSE_PROJECTIONS = True
 # Whether a layer's new K and V are written by one Triton kernel (engine/kernels/kv_write_triton.py) instead of
 # two index_copy_ kernels.
 KV_WRITE_KERNEL = True
+# Whether each fused Q/K/V attention layer rotates its queries and keys and writes its keys and values into the
+# cache with one Triton kernel (engine/kernels/rope_write_triton.py) instead of the compiled rotary, the copies to
+# token-major rows and the K/V writer: four kernels a layer into one. Off until a decode step measures shorter
+# with it (bench gpu --ab rope-write-kernel).
+ROPE_WRITE_KERNEL = False
 # Whether the compiled forward launches independent elementwise kernels together (inductor's combo kernels). A
 # layer's rotary of Q, of K and the copy of V are three launches, 55 us of a batch-1 step of llama3-8b-l8 on an
 # H200. Combined, the step ran 103 kernels instead of 119 and its small kernels took 0.09 ms instead of 0.13, but
@@ -88,6 +93,18 @@ class CudaDevice(Device):
         counts = fuse_projections(model)
         torch.cuda.empty_cache()  # the separate weights, now views into the fused ones
         return counts
+
+    def fuse_rope_writes(self, model: torch.nn.Module) -> int:
+        if not ROPE_WRITE_KERNEL:
+            return 0
+        try:
+            from engine.kernels.rope_write_triton import rope_write_kv_triton
+        except ImportError as e:
+            logger.warning("Triton unavailable (%s): rotary and K/V writes stay apart", e)
+            return 0
+        from engine.fused_rope_write import fuse_rope_writes
+
+        return fuse_rope_writes(model, rope_write_kv_triton)
 
     def tune_linears(self, model: torch.nn.Module) -> dict[str, dict]:
         if not SKINNY_GEMM:

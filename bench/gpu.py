@@ -40,6 +40,7 @@ AB_KNOBS = (
     "skinny-gemm",
     "kv-write-kernel",
     "rope-write-kernel",
+    "gated-down",
     "split-greedy",
     "combo-kernels",
     "overlap-decode",
@@ -50,6 +51,7 @@ CUDA_SWITCHES = {
     "skinny-gemm": "SKINNY_GEMM",
     "kv-write-kernel": "KV_WRITE_KERNEL",
     "rope-write-kernel": "ROPE_WRITE_KERNEL",
+    "gated-down": "GATED_DOWN_KERNEL",
     "split-greedy": "SPLIT_GREEDY",
     "combo-kernels": "COMBO_KERNELS",
 }
@@ -61,6 +63,7 @@ SWITCH_HELP = {
     "kv-write-kernel": "write each layer's new K and V with one Triton kernel (CUDA) instead of two index_copy_",
     "rope-write-kernel": "rotate Q and K and write K/V into the cache with one Triton kernel a fused attention layer "
     "(CUDA)",
+    "gated-down": "silu(gate) * up inside the down projection's skinny GEMM where it took that kernel (CUDA)",
     "split-greedy": "the greedy argmax over the vocabulary as a split reduction inside the decode graphs (CUDA)",
     "combo-kernels": "with --compile: launch independent elementwise kernels together (inductor's combo kernels, CUDA)",
 }
@@ -137,6 +140,15 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="with --ab: rounds of both engines' steps")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
     p.add_argument("--out", default="bench/results/gpu", help="report path (without extension)")
+
+
+def _gated_downs(model) -> int:
+    """MLPs whose activation runs inside the down projection's kernel (``--gated-down``)."""
+    try:
+        from engine.kernels.skinny_gemm_triton import is_gated_down
+    except ImportError:
+        return 0
+    return sum(is_gated_down(m) for m in model.modules())
 
 
 def _offline_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -310,6 +322,7 @@ def run(args: argparse.Namespace) -> None:
     linear_choices = engine.linear_choices
     engine_fused = engine.fused_projections
     engine_rope_writes = engine.rope_writes
+    engine_gated_downs = _gated_downs(engine.loaded.model)
     model = engine.loaded.model
     dtype = next(model.parameters()).dtype
     machine = measure_machine(dtype, args.repeats, str(dev))
@@ -353,6 +366,8 @@ def run(args: argparse.Namespace) -> None:
         "kv_write_kernel": args.kv_write_kernel,
         "rope_write_kernel": args.rope_write_kernel,
         "rope_write_layers": engine_rope_writes,
+        "gated_down": args.gated_down,
+        "gated_down_mlps": engine_gated_downs,
         "split_greedy": args.split_greedy,
         "combo_kernels": args.combo_kernels,
         "fused_projections": engine_fused,
@@ -415,6 +430,7 @@ def run(args: argparse.Namespace) -> None:
         f"{result['frozen_weights']}), decode steps overlapped {engine_overlap}, "
         f"skinny GEMM {args.skinny_gemm}, projections fused {engine_fused or 'none'}, K/V write kernel "
         f"{args.kv_write_kernel}, rotary + K/V write kernel {args.rope_write_kernel} ({engine_rope_writes} layers), "
+        f"activation in the down projection {args.gated_down} ({engine_gated_downs} MLPs), "
         f"split greedy {args.split_greedy}",
         args.json,
         getattr(args, "command", None),

@@ -3,30 +3,19 @@ it (``engine/fused_rope_write.py``): it rotates queries and keys as transformers
 rounding, writes keys and values to their slots and nothing else; a model whose layers take it computes what the
 fused-projection model computes; a family that rotates another way keeps its forward.
 
-They run on an NVIDIA GPU, or on the CPU under Triton's interpreter (Triton installed and ``TRITON_INTERPRET=1``
-in the environment); the CI host has neither, so there they are skipped with that reason."""
+They run where ``triton_helpers`` says (a GPU, or Triton's interpreter on the CPU); the CI host has neither, so there
+they are skipped with that reason."""
 
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
 
 import pytest
 import torch
+from triton_helpers import TRITON_DEVICE, needs_triton
 
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
-    DEVICE = "cpu"
-else:
-    DEVICE = None
-
-pytestmark = pytest.mark.skipif(
-    DEVICE is None,
-    reason="needs an NVIDIA GPU, or Triton installed and TRITON_INTERPRET=1 (its interpreter runs the kernel on "
-    "the CPU)",
-)
+DEVICE = TRITON_DEVICE
+pytestmark = needs_triton
 
 
 def _heads_major(x: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,10 @@ KV_WRITE_KERNEL = True
 # token-major rows and the K/V writer: four kernels a layer into one. Off until a decode step measures shorter
 # with it (bench gpu --ab rope-write-kernel).
 ROPE_WRITE_KERNEL = False
+# Whether each gated MLP whose down projection took the skinny kernel computes silu(gate) * up inside that kernel
+# (engine.kernels.skinny_gemm_triton.fuse_gated_downs) instead of in a kernel of its own before it: one kernel a
+# layer fewer at decode batch sizes. Off until a decode step measures shorter with it (bench gpu --ab gated-down).
+GATED_DOWN_KERNEL = False
 # Whether the compiled forward launches independent elementwise kernels together (inductor's combo kernels). A
 # layer's rotary of Q, of K and the copy of V are three launches, 55 us of a batch-1 step of llama3-8b-l8 on an
 # H200. Combined, the step ran 103 kernels instead of 119 and its small kernels took 0.09 ms instead of 0.13, but
@@ -110,11 +114,13 @@ class CudaDevice(Device):
         if not SKINNY_GEMM:
             return {}
         try:
-            from engine.kernels.skinny_gemm_triton import CONFIGS, tune_linears
+            from engine.kernels.skinny_gemm_triton import CONFIGS, fuse_gated_downs, tune_linears
         except ImportError as e:
             logger.warning("Triton unavailable (%s): every linear runs on cuBLAS", e)
             return {}
         picked = tune_linears(model)
+        if GATED_DOWN_KERNEL:
+            fuse_gated_downs(model)
         torch.cuda.empty_cache()  # the timing's scratch weights, before the KV cache is sized from free memory
         return {
             f"{n}x{k}": {

@@ -54,6 +54,7 @@ def _skinny_gemm(
     BM: tl.constexpr,  # rows, padded (16)
     BN: tl.constexpr,  # output columns per program
     BK: tl.constexpr,  # K per iteration
+    GATED: tl.constexpr,  # x is a gated MLP's [M, 2K] gate|up: the kernel multiplies silu(gate) * up itself
 ):
     pid = tl.program_id(0)
     n = pid.to(tl.int64) * BN + tl.arange(0, BN)  # int64: N * K can pass 2^31 (a large vocabulary's head)
@@ -68,23 +69,32 @@ def _skinny_gemm(
         w = tl.load(
             w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
         )
-        x = tl.load(
-            x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
-        )
+        x_ok = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=x_ok, other=0.0)
+        if GATED:
+            # silu(gate) * up in fp32, rounded once to the weights' dtype (as a compiled forward's fused kernel
+            # rounds it), from the gate and up halves of the row
+            up = tl.load(x_ptr + m[:, None] * stride_xm + K + k[None, :], mask=x_ok, other=0.0).to(tl.float32)
+            gate = x.to(tl.float32)
+            x = (gate * tl.sigmoid(gate) * up).to(w.dtype)
         acc = tl.dot(x, tl.trans(w), acc)  # [BM, BK] @ [BK, BN]
     y = acc.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
 
 
-def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: int) -> torch.Tensor:
-    """``x [M, K] @ w[N, K]^T`` with ``CONFIGS[config]``, for M up to ``MAX_ROWS`` (bf16 or fp16, contiguous K)."""
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, config: int, gated: bool = False) -> torch.Tensor:
+    """``x [M, K] @ w[N, K]^T`` with ``CONFIGS[config]``, for M up to ``MAX_ROWS`` (bf16 or fp16, contiguous K).
+    ``gated``: x is ``[M, 2K]``, a gated MLP's gate and up side by side, and the product is
+    ``(silu(gate) * up) @ w^T``."""
     bn, bk, warps, stages = CONFIGS[config]
-    m, k = x.shape
-    n = w.shape[0]
+    m = x.shape[0]
+    n, k = w.shape
+    if x.shape[1] != (2 * k if gated else k):
+        raise ValueError(f"rows of {x.shape[1]} for a weight of {k} columns{' (gated: 2x)' if gated else ''}")
     y = x.new_empty(m, n)
     _skinny_gemm[(triton.cdiv(n, bn),)](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-        BM=MAX_ROWS, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+        BM=MAX_ROWS, BN=bn, BK=bk, GATED=gated, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y
 
@@ -106,6 +116,34 @@ def skinny_linear_op(x: torch.Tensor, w: torch.Tensor, config: int) -> torch.Ten
 @skinny_linear_op.register_fake
 def _skinny_linear_fake(x: torch.Tensor, w: torch.Tensor, config: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0])
+
+
+def _gated_or_linear(gate_up: torch.Tensor, w: torch.Tensor, config: int) -> torch.Tensor:
+    """``(silu(gate) * up) @ w^T`` for ``gate_up [M, 2K]``: the gated kernel up to ``MAX_ROWS`` rows, else the
+    activation and ``F.linear``."""
+    if gate_up.shape[0] <= MAX_ROWS and gate_up.stride(-1) == 1:
+        return skinny_gemm(gate_up, w, config, gated=True)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w)
+
+
+@torch.library.custom_op("bucketserve::skinny_gated_gemm", mutates_args=())
+def skinny_gated_op(gate_up: torch.Tensor, w: torch.Tensor, config: int) -> torch.Tensor:
+    """:func:`_gated_or_linear` as one opaque operator (see ``skinny_linear_op``)."""
+    return _gated_or_linear(gate_up, w, config)
+
+
+@skinny_gated_op.register_fake
+def _skinny_gated_fake(gate_up: torch.Tensor, w: torch.Tensor, config: int) -> torch.Tensor:
+    return gate_up.new_empty(gate_up.shape[0], w.shape[0])
+
+
+def _gated_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # x [..., hidden] -> gate|up [M, 2 * intermediate] (one GEMM) -> the down projection with the activation in it
+    gate_up = self.fused_linear(x.reshape(-1, x.shape[-1]))  # [M, 2I]
+    down = self.down_proj
+    fn = skinny_gated_op if torch.compiler.is_compiling() else _gated_or_linear
+    return fn(gate_up, down.weight, down.skinny_config).view(*x.shape[:-1], down.out_features)
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -199,3 +237,65 @@ def tune_linears(model: torch.nn.Module) -> dict:
         ", ".join(f"{n}x{k}: {'cuBLAS' if c is None else CONFIGS[c]}" for (n, k), (c, _) in picked.items()),
     )
     return picked
+
+
+# How far the gated kernel's MLP output may lie from the MLP's own forward, as a fraction of its largest magnitude:
+# the activation is rounded once instead of twice, and the kernel sums in another order than the GEMM it replaces.
+_GATED_TOLERANCE = {torch.bfloat16: 2**-5, torch.float16: 2**-7}
+
+
+def _gated_disagreement(mlp: torch.nn.Module, gen: torch.Generator) -> str | None:
+    """Why the gated forward cannot stand in for ``mlp``'s own, on probe rows; None if it can."""
+    weight = mlp.down_proj.weight
+    probe = torch.randn(64, generator=gen).to(weight.device, weight.dtype)
+    if not torch.equal(mlp.act_fn(probe), F.silu(probe)):
+        return "its activation is not SiLU"
+    hidden = mlp.fused_linear.in_features
+    for rows in (1, MAX_ROWS, MAX_ROWS + 3):  # the kernel, and the fallback above its rows
+        x = torch.randn(rows, hidden, generator=gen).to(weight.device, weight.dtype)
+        want, got = mlp(x).float(), _gated_mlp_forward(mlp, x).float()
+        error = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+        if not error <= _GATED_TOLERANCE[weight.dtype]:
+            return f"outputs differ by {error:.3g} of their largest magnitude at {rows} rows"
+    return None
+
+
+@torch.inference_mode()
+def fuse_gated_downs(model: torch.nn.Module) -> int:
+    """Give each gated MLP whose gate/up are one GEMM (``engine.fused_projections``) and whose down projection took
+    the kernel (:func:`tune_linears`) a forward that runs ``silu(gate) * up`` inside the down projection's kernel,
+    one elementwise kernel a layer fewer, where it reproduces the MLP's own on a probe; returns how many."""
+    from engine.fused_projections import _mlp_forward, fused_linear_of
+
+    gen = torch.Generator().manual_seed(0)
+    fused = 0
+    for module in model.modules():
+        down = getattr(module, "down_proj", None)
+        gate_up = fused_linear_of(module)
+        if not (
+            getattr(module.__dict__.get("forward"), "__func__", None) is _mlp_forward
+            and gate_up is not None
+            and gate_up.bias is None
+            and isinstance(down, torch.nn.Linear)
+            and down.bias is None
+            and hasattr(down, "skinny_config")
+            and down.weight.dtype in _GATED_TOLERANCE
+            and gate_up.out_features == 2 * down.in_features
+        ):
+            continue
+        why = _gated_disagreement(module, gen)
+        if why is not None:
+            logger.info(
+                "%s keeps its activation apart from the down projection: %s", type(module).__name__, why
+            )
+            continue
+        module.forward = MethodType(_gated_mlp_forward, module)
+        fused += 1
+    if fused:
+        logger.info("silu(gate) * up inside the down projection's kernel in %d MLPs", fused)
+    return fused
+
+
+def is_gated_down(module: torch.nn.Module) -> bool:
+    """Whether :func:`fuse_gated_downs` swapped this MLP's forward."""
+    return getattr(module.__dict__.get("forward"), "__func__", None) is _gated_mlp_forward

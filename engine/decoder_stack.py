@@ -36,6 +36,7 @@ import torch
 from engine.forward_context import AttendFn, current_context, forward_context
 from engine.fused_attention import fused_attention_rows, is_fused, probe_context
 from engine.linear_prepack import SKINNY_MAX_M
+from engine.swapped_forward import runs_forward
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +62,6 @@ def _layers(body: torch.nn.Module) -> list[tuple[torch.nn.Module, ...]] | None:
     return parts
 
 
-def _runs_on(module: torch.nn.Module, fn: Callable) -> bool:
-    """Whether ``module``'s forward was swapped for ``fn`` (bound to it, on the instance)."""
-    return getattr(module.__dict__.get("forward"), "__func__", None) is fn
-
-
 def _native_args(
     layers: list[tuple[torch.nn.Module, ...]], attend: AttendFn
 ) -> tuple[list[torch.Tensor | None], list[int], list[float]] | None:
@@ -83,9 +79,11 @@ def _native_args(
         qkv = attn.__dict__.get("qkv_linear")
         linears = (qkv, attn.o_proj, mlp.down_proj)
         if not (
-            all(_runs_on(n, fused_norm._kernel_forward) for n in (norm1, norm2))
-            and all(lin is not None and _runs_on(lin, linear_prepack._dispatched_forward) for lin in linears)
-            and _runs_on(mlp, fused_mlp._fused_forward)
+            all(runs_forward(n, fused_norm._kernel_forward) for n in (norm1, norm2))
+            and all(
+                lin is not None and runs_forward(lin, linear_prepack._dispatched_forward) for lin in linears
+            )
+            and runs_forward(mlp, fused_mlp._fused_forward)
         ):
             return None
         o, down, gate, up = attn.o_proj, mlp.down_proj, mlp.gate_proj, mlp.up_proj

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
-from engine.forward_context import ForwardContext, current_context
+from engine.forward_context import ForwardContext, RopeWriteFn, current_context
 
 FLAT_ATTN_IMPLEMENTATION = "bucketserve_flat"
 
@@ -35,6 +35,24 @@ def attend_written_layer(
     k_cache, v_cache = caches if caches is not None else (ctx.kv_data[layer, 0], ctx.kv_data[layer, 1])
     ctx.attend(out, query, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.query_start_loc, scale)
     return out
+
+
+def attend_rotated(
+    ctx: ForwardContext,
+    layer: int,
+    rope_write: RopeWriteFn,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: tuple[int, int],
+    scale: float,
+) -> torch.Tensor:
+    """A fused Q/K/V projection's output into ``layer``'s cache and through attention: ``rope_write`` rotates the
+    queries and keys and writes keys and values, then :func:`attend_written_layer`. qkv [T, (H + 2 KVH) D],
+    cos/sin [T, D], heads (H, KVH) -> out [T, H, D]."""
+    caches = (ctx.kv_data[layer, 0], ctx.kv_data[layer, 1])  # [NB + 1, BS, KVH, D] each
+    q = rope_write(qkv, cos, sin, *caches, ctx.slot_mapping, *heads)  # [T, H, D]
+    return attend_written_layer(ctx, layer, q, scale, caches)
 
 
 def _write_and_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float):

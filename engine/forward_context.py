@@ -21,6 +21,10 @@ AttendFn = Callable[..., None]
 # write(kv_data[L,2,NB+1,BS,KVH,D], layer, slot_mapping[T], key[T,KVH,D], value[T,KVH,D]) -> None: the device's
 # K/V writer (``Device.kv_writer``).
 WriteFn = Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# rope_write(qkv[T, (H + 2 KVH) D], cos[T, D], sin[T, D], k_cache[NB, BS, KVH, D], v_cache, slot_mapping[T],
+#            num_heads, num_kv_heads) -> q[T, H, D]: a fused Q/K/V projection's queries and keys rotated, its keys
+# and values written to their slots (the CPU's bucketserve_cpu::rope_write_kv, CUDA's rope_write_kv_triton).
+RopeWriteFn = Callable[..., torch.Tensor]
 
 
 @dataclass

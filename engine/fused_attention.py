@@ -26,9 +26,10 @@ from types import MethodType
 
 import torch
 
-from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION, attend_written_layer
+from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION, attend_rotated
 from engine.forward_context import AttendFn, ForwardContext, current_context, forward_context
 from engine.linear_prepack import SKINNY_MAX_M, prepack_linear, unpack_linear
+from engine.swapped_forward import runs_forward
 
 logger = logging.getLogger(__name__)
 
@@ -71,20 +72,14 @@ def fused_attention_rows(
     """A fused attention layer on token rows: x [T, hidden], cos/sin [T, D] -> [T, hidden]. The linears are
     called by their ``forward`` (what ``Module.__call__`` would run, less its hook handling)."""
     qkv = module.qkv_linear.forward(x)  # [T, (H + 2 KVH) D]
-    layer = module.layer_idx
-    # [NB + 1, BS, KVH, D] each: the rotated keys and the values go to their slots, then attention reads them
-    caches = (ctx.kv_data[layer, 0], ctx.kv_data[layer, 1])
-    q = torch.ops.bucketserve_cpu.rope_write_kv(
-        qkv, cos, sin, *caches, ctx.slot_mapping, module.fused_heads[0], module.fused_heads[1]
-    )  # [T, H, D]
-    out = attend_written_layer(ctx, layer, q, module.scaling, caches)  # [T, H, D]
+    rope_write = torch.ops.bucketserve_cpu.rope_write_kv
+    out = attend_rotated(ctx, module.layer_idx, rope_write, qkv, cos, sin, module.fused_heads, module.scaling)
     return module.o_proj.forward(out.view(out.shape[0], -1))  # [T, hidden]
 
 
 def is_fused(module: torch.nn.Module) -> bool:
     """Whether ``fuse_attention_layers`` swapped this attention layer's forward."""
-    forward = module.__dict__.get("forward")
-    return getattr(forward, "__func__", None) is _fused_forward
+    return runs_forward(module, _fused_forward)
 
 
 def _candidate(module: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -126,18 +121,20 @@ def probe_context(
 ) -> ForwardContext:
     """One fresh prompt of ``tokens`` tokens on a scratch cache of its own, shaped for attention layer ``module``:
     every layer index (up to ``layers``, else the module's own) maps to the same cache. Each layer writes the
-    prompt's K/V before it attends over them, so layers sharing the cache never read each other's."""
+    prompt's K/V before it attends over them, so layers sharing the cache never read each other's. On the
+    module's device."""
     k = module.k_proj
     kvh, d = k.out_features // module.head_dim, module.head_dim
+    dev = k.weight.device
     blocks = -(-tokens // _PROBE_BLOCK)
-    cache = torch.zeros(1, 2, blocks + 1, _PROBE_BLOCK, kvh, d, dtype=k.weight.dtype, device=k.weight.device)
+    cache = torch.zeros(1, 2, blocks + 1, _PROBE_BLOCK, kvh, d, dtype=k.weight.dtype, device=dev)
     kv_data = cache.expand(layers or module.layer_idx + 1, *cache.shape[1:])  # [L, 2, blocks + 1, BS, KVH, D]
     return ForwardContext(
         kv_data=kv_data,
-        slot_mapping=torch.arange(tokens) + _PROBE_BLOCK,  # block 0 stays the null block
-        block_table=torch.arange(1, blocks + 1, dtype=torch.int32)[None],
-        seq_lens=torch.tensor([tokens], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, tokens], dtype=torch.int32),
+        slot_mapping=torch.arange(tokens, device=dev) + _PROBE_BLOCK,  # block 0 stays the null block
+        block_table=torch.arange(1, blocks + 1, dtype=torch.int32, device=dev)[None],
+        seq_lens=torch.tensor([tokens], dtype=torch.int32, device=dev),
+        query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=dev),
         attend=attend,
     )
 

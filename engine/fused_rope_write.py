@@ -17,21 +17,18 @@ angles; rotated queries and cache contents compared to the dtype's rounding). A 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from types import MethodType
 
 import torch
 
-from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION, attend_written_layer
-from engine.forward_context import current_context
-from engine.fused_attention import probe_rope
+from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION, attend_rotated
+from engine.forward_context import RopeWriteFn, current_context
+from engine.fused_attention import probe_context, probe_rope
 from engine.fused_projections import _attention_forward, fused_linear_of
+from engine.kernels import paged_attention_ref
+from engine.swapped_forward import runs_forward
 
 logger = logging.getLogger(__name__)
-
-# rope_write(qkv[T, (H + 2 KVH) D], cos[T, D], sin[T, D], k_cache[NB, BS, KVH, D], v_cache, slot_mapping[T],
-#            num_heads, num_kv_heads) -> q[T, H, D]: the device's kernel (see the module docstring).
-RopeWriteFn = Callable[..., torch.Tensor]
 
 # The device's kernel, set once at start-up by fuse_rope_writes (an operator cannot take a function argument).
 _rope_write: RopeWriteFn | None = None
@@ -41,7 +38,6 @@ _rope_write: RopeWriteFn | None = None
 # result by a unit in its last place. A family that rotates another way is off by the order of the values.
 _PROBE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-9}
 _PROBE_TOKENS = 5
-_PROBE_BLOCK = 4
 
 
 def _rope_write_attend(
@@ -54,10 +50,7 @@ def _rope_write_attend(
     kv_heads: int,
 ) -> torch.Tensor:
     # qkv [T, (H + 2 KVH) D]; cos/sin [T, D] -> [T, H, D]
-    ctx = current_context()
-    caches = (ctx.kv_data[layer, 0], ctx.kv_data[layer, 1])  # [NB + 1, BS, KVH, D] each
-    q = _rope_write(qkv, cos, sin, *caches, ctx.slot_mapping, heads, kv_heads)  # [T, H, D]
-    return attend_written_layer(ctx, layer, q, scale, caches)
+    return attend_rotated(current_context(), layer, _rope_write, qkv, cos, sin, (heads, kv_heads), scale)
 
 
 # Opaque to torch.compile, as bucketserve::flat_attention is: it mutates the cache and reads the step's context.
@@ -101,7 +94,7 @@ def _rope_write_forward(
 
 def is_rope_write(module: torch.nn.Module) -> bool:
     """Whether :func:`fuse_rope_writes` swapped this attention layer's forward."""
-    return getattr(module.__dict__.get("forward"), "__func__", None) is _rope_write_forward
+    return runs_forward(module, _rope_write_forward)
 
 
 def _candidate(module: torch.nn.Module) -> bool:
@@ -109,7 +102,7 @@ def _candidate(module: torch.nn.Module) -> bool:
     return (
         fused is not None
         and fused.bias is None  # the kernel adds no bias (a biased projection's fused linear adds it: kept)
-        and getattr(module.__dict__.get("forward"), "__func__", None) is _attention_forward
+        and runs_forward(module, _attention_forward)
         and getattr(getattr(module, "config", None), "_attn_implementation", None) == FLAT_ATTN_IMPLEMENTATION
         and fused.weight.dtype in _PROBE_TOLERANCE
         and len(module.fused_widths) == 3
@@ -130,19 +123,18 @@ def _disagreement(module: torch.nn.Module, rope_write: RopeWriteFn, gen: torch.G
     try:
         want_q, want_k = module.fused_rotary(q, k, cos, sin)
         qkv = torch.cat([x[0].transpose(0, 1).reshape(t, -1) for x in (q, k, v)], dim=1)  # [T, (H + 2 KVH) D]
-        blocks = -(-t // _PROBE_BLOCK) + 1  # block 0 stays the null block
-        caches = [
-            torch.zeros(blocks, _PROBE_BLOCK, kv_heads, d, dtype=dtype, device=device) for _ in range(2)
-        ]
-        slots = torch.arange(t, device=device) + _PROBE_BLOCK
-        got_q = rope_write(qkv, cos[0], sin[0], *caches, slots, heads, kv_heads)
+        ctx = probe_context(
+            module, t, paged_attention_ref, layers=1
+        )  # the tokens in slots after the null block
+        caches = (ctx.kv_data[0, 0], ctx.kv_data[0, 1])  # [NB + 1, BS, KVH, D] each
+        got_q = rope_write(qkv, cos[0], sin[0], *caches, ctx.slot_mapping, heads, kv_heads)
     except Exception as e:  # a module this kernel cannot stand in for may fail on the probe
         return f"the probe failed: {type(e).__name__}: {e}"
     tolerance = _PROBE_TOLERANCE[dtype]
     pairs = {
         "queries": (got_q, want_q[0].transpose(0, 1)),  # [T, H, D]
-        "keys": (caches[0].view(-1, kv_heads, d)[_PROBE_BLOCK:][:t], want_k[0].transpose(0, 1)),
-        "values": (caches[1].view(-1, kv_heads, d)[_PROBE_BLOCK:][:t], v[0].transpose(0, 1)),
+        "keys": (caches[0].reshape(-1, kv_heads, d)[ctx.slot_mapping], want_k[0].transpose(0, 1)),
+        "values": (caches[1].reshape(-1, kv_heads, d)[ctx.slot_mapping], v[0].transpose(0, 1)),
     }
     for what, (got, want) in pairs.items():
         error = (got.float() - want.float()).abs().max().item() / max(want.float().abs().max().item(), 1e-30)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from engine.fused_projections import model_linears
+from engine.swapped_forward import runs_forward
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +274,7 @@ def fuse_gated_downs(model: torch.nn.Module) -> int:
         down = getattr(module, "down_proj", None)
         gate_up = fused_linear_of(module)
         if not (
-            getattr(module.__dict__.get("forward"), "__func__", None) is _mlp_forward
+            runs_forward(module, _mlp_forward)
             and gate_up is not None
             and gate_up.bias is None
             and isinstance(down, torch.nn.Linear)
@@ -298,4 +299,4 @@ def fuse_gated_downs(model: torch.nn.Module) -> int:
 
 def is_gated_down(module: torch.nn.Module) -> bool:
     """Whether :func:`fuse_gated_downs` swapped this MLP's forward."""
-    return getattr(module.__dict__.get("forward"), "__func__", None) is _gated_mlp_forward
+    return runs_forward(module, _gated_mlp_forward)

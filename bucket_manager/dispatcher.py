@@ -30,6 +30,8 @@ from bucket_manager.lending import (
     lend_instead,
     pause_decode_for,
     pause_fits_tpot,
+    queue_behind,
+    take_cores_back,
     widened_s,
 )
 from bucket_manager.memory_budget import MemoryBudget, WorkerLoad, blocks_for, choose_workers
@@ -110,6 +112,18 @@ class DispatcherConfig:
 
 
 @dataclass(frozen=True)
+class CoreLoan:
+    """A prefill batch running on a decode worker's cores: until about ``ends_at`` (planning clock, estimated from
+    the pace when it started: its start when the pace was unknown), and whether it paused that worker's decodes to
+    get them."""
+
+    prefill_id: str
+    batch_id: int
+    ends_at: float
+    paused: bool
+
+
+@dataclass(frozen=True)
 class Dispatch:
     """One batch to hand to a prefill worker; ``payloads`` are the submitted payloads, in the plan's order. A lent
     batch (``prefill_id == decode_id``) goes to a decode worker that prefills it in its own steps."""
@@ -176,8 +190,8 @@ class Dispatcher:
         self._down: set[str] = set()
         self._draining: set[str] = set()
         self._neighbours = dict(config.core_neighbours)
-        # Decode worker id -> (prefill worker id, batch id) of the batch running on its cores, until that batch is done.
-        self._cores_lent: dict[str, tuple[str, int]] = {}
+        # Decode worker id -> the batch running on its cores, until that batch is done.
+        self._cores_lent: dict[str, CoreLoan] = {}
         self.core_shared_batches = 0
         self.decode_pausing_batches = 0  # of those, batches that paused a busy decode worker
         # How fast prefill workers get through prompt tokens (their reported forward times): which queued requests
@@ -185,6 +199,8 @@ class Dispatcher:
         self.pace = PrefillPace()
         # Batch id -> (prompt tokens, how much faster than on its prefill worker's own cores it was to run).
         self._batch_tokens: dict[int, tuple[int, float]] = {}
+        # Batch id -> when a prefill worker's batch is estimated to end (planning clock, from the pace), until done.
+        self._batch_ends: dict[int, float] = {}
 
     # ------------------------------------------------------------------ workers
     def set_workers(self, prefill: Mapping[str, int], decode: Mapping[str, int]) -> None:
@@ -338,6 +354,7 @@ class Dispatcher:
         """Every request of the batch has left the prefill worker: their prompt reservations end. For a lent batch
         (a decode worker's id): its prompts are prefilled; the requests' reservations stay until they end.
         ``forward_s``: the batch's forward pass as the prefill worker timed it (feeds :attr:`pace`)."""
+        self._batch_ends.pop(batch_id, None)
         timed = self._batch_tokens.pop(batch_id, None)
         if timed is not None and forward_s is not None:
             tokens, speedup = timed
@@ -422,24 +439,31 @@ class Dispatcher:
             if lending.enabled:
                 decoding = self._decoding()
                 may_run = [w for w in self.usable("decode") if lending.can_lend(decoding[w.worker_id], 0)]
-                lent_cores = self._lent_cores()
-                lenders = [
-                    WorkerLoad(w.worker_id, w.free_blocks(self._reported.get(w.worker_id)), 0)
-                    for w in may_run
-                    if not w.outstanding
-                    and not self._held(w.worker_id, now)
-                    and w.worker_id not in lent_cores
-                ]
+                candidates = [w for w in may_run if not w.outstanding and not self._held(w.worker_id, now)]
                 # Every worker that may run prompts, busy or not: none takes the whole queue while another could
                 # share it.
                 longest = self.queue.longest_prompt()
                 runners = len(self.usable("prefill")) + len(may_run)
                 tokens = batch_token_budget(queued_at_start, longest, runners, tokens)
-                if lenders:  # the head of the order decides whether the next batch is lent
+                if may_run:  # the head of the order decides whether the next batch is lent, or waits here
                     first = first_request(
                         self.queue, self.policy, now, self.online_streak, self.pace.seconds_per_token
                     )
                     head = first.prompt_len if first is not None else 0
+                # A worker whose cores a prefill batch borrowed takes them back for a prompt of its own (at that
+                # pass's next layer, worker/borrowed_pass.py) only when the prompt would otherwise wait longer.
+                lent_cores = self._lent_cores()
+                head_alone = head * self.pace.seconds_per_token
+                lenders = [
+                    WorkerLoad(w.worker_id, w.free_blocks(self._reported.get(w.worker_id)), 0)
+                    for w in candidates
+                    if (loan := lent_cores.get(w.worker_id)) is None
+                    or take_cores_back(loan.ends_at - now, head_alone, loan.paused)
+                ]
+                if may_run:
+                    # A decode worker may lend now or once its lent batch is done: the next batch waits here rather
+                    # than behind a long one on a prefill worker, where nothing else could take it.
+                    prefill = [w for w in prefill if queue_behind(self._busy_s(w.worker_id, now), head_alone)]
             if not decode or not (prefill or lenders):
                 break
             if lend_instead([w.queue_len for w in prefill], len(lenders), head, lending.max_tokens):
@@ -476,33 +500,43 @@ class Dispatcher:
             if plan is None:
                 break  # the most urgent request does not fit yet: wait for blocks to come back
             # Before this batch reserves on its decode worker (which may be the idle lender).
-            borrowed = (
+            borrowed, paused = (
                 self._core_lenders(p, len(self.queue) - len(plan.request_ids), plan, now)
                 if p is not d
-                else ()
+                else ((), False)
             )
             executor = self.decode[p.worker_id] if p is d else self.prefill[p.worker_id]
-            dispatched.append(self._dispatch(plan, executor, self.decode[d.worker_id], borrowed))
+            dispatched.append(self._dispatch(plan, executor, self.decode[d.worker_id], now, borrowed, paused))
         return dispatched
 
-    def _lent_cores(self) -> dict[str, tuple[str, int]]:
-        """Decode worker id -> (prefill worker id, batch id) running on its cores; an entry ends with its batch
-        (done, given back, or its prefill worker gone)."""
-        for did, (pid, bid) in list(self._cores_lent.items()):
-            p = self.prefill.get(pid)
-            if p is None or bid not in p.outstanding:
+    def _busy_s(self, prefill_id: str, now: float) -> float:
+        """How long the prefill worker's batches (running and queued there) are estimated to take still; 0 while
+        the pace is unknown."""
+        w = self.prefill[prefill_id]
+        ends = [self._batch_ends.get(bid, now) for bid in w.outstanding]
+        return max(0.0, max(ends, default=now) - now)
+
+    def _lent_cores(self) -> dict[str, CoreLoan]:
+        """Decode worker id -> the batch running on its cores; an entry ends with its batch (done, given back, or
+        its prefill worker gone)."""
+        for did, loan in list(self._cores_lent.items()):
+            p = self.prefill.get(loan.prefill_id)
+            if p is None or loan.batch_id not in p.outstanding:
                 del self._cores_lent[did]
         return self._cores_lent
 
-    def _core_lenders(self, p: WorkerLoad, left_queued: int, plan: BatchPlan, now: float) -> tuple[str, ...]:
+    def _core_lenders(
+        self, p: WorkerLoad, left_queued: int, plan: BatchPlan, now: float
+    ) -> tuple[tuple[str, ...], bool]:
         """The decode workers whose cores the prefill worker ``p``'s next batch (``plan``) may borrow: only a batch
         that starts at once (``p`` holds none) and leaves nothing queued (a burst runs in batches side by side
         instead, one of them lent to the idle decode worker), and only decode workers of its node that run no lent
         batch: those that hold nothing, and the busy ones too when the batch needs their cores to meet its TTFT
-        deadline (``LendingPolicy.pause_decode_ms``; they stop stepping for its forward pass)."""
+        deadline (``LendingPolicy.pause_decode_ms``; they stop stepping for its forward pass). The flag: whether
+        it pauses busy ones."""
         lending = self.config.lending
         if not (lending.enabled and lending.share_cores) or p.queue_len or left_queued:
-            return ()
+            return (), False
         lent = self._lent_cores()
         idle: list[str] = []
         every: list[str] = []
@@ -530,8 +564,8 @@ class Dispatcher:
                         for rid in rids:
                             self._paused_s[rid] = self._paused_s.get(rid, 0.0) + pause
                     self.decode_pausing_batches += 1
-                    return tuple(every)
-        return tuple(idle)
+                    return tuple(every), True
+        return tuple(idle), False
 
     def _decoding_ids(self, worker_ids: list[str]) -> dict[str, list[str]]:
         """The requests each of these decode workers decodes now (see ``_decoding``)."""
@@ -564,7 +598,13 @@ class Dispatcher:
         return {did: len(rids) for did, rids in self._decoding_ids(list(self.decode)).items()}
 
     def _dispatch(
-        self, plan: BatchPlan, p: WorkerLedger, d: WorkerLedger, borrowed: tuple[str, ...] = ()
+        self,
+        plan: BatchPlan,
+        p: WorkerLedger,
+        d: WorkerLedger,
+        now: float = 0.0,
+        borrowed: tuple[str, ...] = (),
+        paused: bool = False,
     ) -> Dispatch:
         self._batch_seq += 1
         bs = self.config.block_size
@@ -580,14 +620,20 @@ class Dispatcher:
             # Paced on the prefill worker's own cores: a batch on borrowed cores too counts as its estimate alone.
             speedup = 1.0 / widened_s(1.0, 1, len(borrowed))
             self._batch_tokens[self._batch_seq] = (plan.real_tokens, speedup)
-            if len(self._batch_tokens) > MAX_TIMED_BATCHES:  # batches of a worker that died never report
-                del self._batch_tokens[next(iter(self._batch_tokens))]
+            # Run after the batches it holds: when this one is estimated to end.
+            alone = plan.real_tokens * self.pace.seconds_per_token
+            self._batch_ends[self._batch_seq] = now + self._busy_s(p.worker_id, now) + alone / speedup
+            for timed in (self._batch_tokens, self._batch_ends):
+                if len(timed) > MAX_TIMED_BATCHES:  # batches of a worker that died never report
+                    del timed[next(iter(timed))]
         self.online_streak = 0 if plan.priority_class.value == "offline" else self.online_streak + 1
         self.batches += 1
         self.lent_batches += p is d
         payloads = tuple(self.payloads[rid] for rid in plan.request_ids)
-        for did in borrowed:
-            self._cores_lent[did] = (p.worker_id, self._batch_seq)
+        if borrowed:
+            ends_at = now + widened_s(plan.real_tokens * self.pace.seconds_per_token, 1, len(borrowed))
+            for did in borrowed:
+                self._cores_lent[did] = CoreLoan(p.worker_id, self._batch_seq, ends_at, paused)
         self.core_shared_batches += bool(borrowed)
         return Dispatch(self._batch_seq, p.worker_id, d.worker_id, plan, payloads, borrowed)
 

@@ -20,7 +20,8 @@ needs_two_cores = pytest.mark.skipif(
 
 
 def _in_thread(fn):
-    """Run ``fn`` in a fresh thread (affinity and OpenMP's thread count are per thread) and return its result."""
+    """Run ``fn`` in a fresh thread (affinity and OpenMP's thread count are per thread) and return its result; this
+    thread's torch thread count is restored after it (torch's setting is process-wide)."""
     out: list = []
     errors: list[BaseException] = []
 
@@ -30,9 +31,13 @@ def _in_thread(fn):
         except BaseException as e:  # surfaced in the test's thread
             errors.append(e)
 
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
+    saved = torch.get_num_threads()
+    try:
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+    finally:
+        torch.set_num_threads(saved)
     if errors:
         raise errors[0]
     return out[0]
@@ -51,11 +56,7 @@ def test_a_borrowed_core_widens_the_thread_for_the_block_then_narrows_it_back() 
         seen["after"] = (torch.get_num_threads(), os.sched_getaffinity(0))
         return seen
 
-    saved = torch.get_num_threads()
-    try:
-        seen = _in_thread(body)
-    finally:
-        torch.set_num_threads(saved)
+    seen = _in_thread(body)
     assert seen["inside"] == (2, 2, {0, 1})
     assert seen["after"] == (1, {0})
 
@@ -69,11 +70,7 @@ def test_the_thread_narrows_back_when_the_block_raises() -> None:
             raise RuntimeError("boom")
         return torch.get_num_threads(), os.sched_getaffinity(0)
 
-    saved = torch.get_num_threads()
-    try:
-        assert _in_thread(body) == (1, {0})
-    finally:
-        torch.set_num_threads(saved)
+    assert _in_thread(body) == (1, {0})
 
 
 @pytest.mark.parametrize(

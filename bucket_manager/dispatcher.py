@@ -19,6 +19,7 @@ runs.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,6 @@ from bucket_manager.lending import (
     pause_decode_for,
     pause_fits_tpot,
     queue_behind,
-    take_cores_back,
     widened_s,
 )
 from bucket_manager.memory_budget import MemoryBudget, WorkerLoad, blocks_for, choose_workers
@@ -47,6 +47,12 @@ from bucket_manager.worker_ledger import WorkerLedger
 SCHEDULING = ("buckets", "fcfs")
 # Batches whose forward time may still be reported (far more than ever run at once; the oldest go first).
 MAX_TIMED_BATCHES = 1024
+# A batch is held back from a busy prefill worker for a decode worker to take (``lending.queue_behind``) only while
+# one that may lend decodes at most this many requests: each prompt step lent there delays them all. Holding for
+# any lender (up to ``LendingPolicy.max_running``) kept the short prompts' gains at 3-4 req/s on the bursty
+# two-class sweep but moved so much prefill onto the decode worker at 10-16 req/s (2-core Zen 4) that its TPOT p50
+# rose from 37-59 ms to 53-85 ms and attainment fell to 0.73 / 0.58 / 0.39 from 0.81 / 0.80 / 0.74.
+HOLD_MAX_DECODING = 8
 
 
 def _arrival_order(request: RequestSummary) -> tuple[float, ...]:
@@ -109,18 +115,6 @@ class DispatcherConfig:
 
     def __post_init__(self) -> None:
         check_planning_config(self)
-
-
-@dataclass(frozen=True)
-class CoreLoan:
-    """A prefill batch running on a decode worker's cores: until about ``ends_at`` (planning clock, estimated from
-    the pace when it started: its start when the pace was unknown), and whether it paused that worker's decodes to
-    get them."""
-
-    prefill_id: str
-    batch_id: int
-    ends_at: float
-    paused: bool
 
 
 @dataclass(frozen=True)
@@ -190,8 +184,8 @@ class Dispatcher:
         self._down: set[str] = set()
         self._draining: set[str] = set()
         self._neighbours = dict(config.core_neighbours)
-        # Decode worker id -> the batch running on its cores, until that batch is done.
-        self._cores_lent: dict[str, CoreLoan] = {}
+        # Decode worker id -> (prefill worker id, batch id) of the batch running on its cores, until that batch is done.
+        self._cores_lent: dict[str, tuple[str, int]] = {}
         self.core_shared_batches = 0
         self.decode_pausing_batches = 0  # of those, batches that paused a busy decode worker
         # How fast prefill workers get through prompt tokens (their reported forward times): which queued requests
@@ -435,11 +429,19 @@ class Dispatcher:
             lending = self.config.lending
             tokens = self.config.max_num_batched_tokens
             longest = head = 0
+            head_slack = math.inf
             lenders: list[WorkerLoad] = []
             if lending.enabled:
                 decoding = self._decoding()
                 may_run = [w for w in self.usable("decode") if lending.can_lend(decoding[w.worker_id], 0)]
-                candidates = [w for w in may_run if not w.outstanding and not self._held(w.worker_id, now)]
+                lent_cores = self._lent_cores()
+                lenders = [
+                    WorkerLoad(w.worker_id, w.free_blocks(self._reported.get(w.worker_id)), 0)
+                    for w in may_run
+                    if not w.outstanding
+                    and not self._held(w.worker_id, now)
+                    and w.worker_id not in lent_cores
+                ]
                 # Every worker that may run prompts, busy or not: none takes the whole queue while another could
                 # share it.
                 longest = self.queue.longest_prompt()
@@ -450,20 +452,16 @@ class Dispatcher:
                         self.queue, self.policy, now, self.online_streak, self.pace.seconds_per_token
                     )
                     head = first.prompt_len if first is not None else 0
-                # A worker whose cores a prefill batch borrowed takes them back for a prompt of its own (at that
-                # pass's next layer, worker/borrowed_pass.py) only when the prompt would otherwise wait longer.
-                lent_cores = self._lent_cores()
-                head_alone = head * self.pace.seconds_per_token
-                lenders = [
-                    WorkerLoad(w.worker_id, w.free_blocks(self._reported.get(w.worker_id)), 0)
-                    for w in candidates
-                    if (loan := lent_cores.get(w.worker_id)) is None
-                    or take_cores_back(loan.ends_at - now, head_alone, loan.paused)
-                ]
-                if may_run:
-                    # A decode worker may lend now or once its lent batch is done: the next batch waits here rather
-                    # than behind a long one on a prefill worker, where nothing else could take it.
-                    prefill = [w for w in prefill if queue_behind(self._busy_s(w.worker_id, now), head_alone)]
+                    head_slack = first.ttft_deadline - now if first is not None else math.inf
+                if any(decoding[w.worker_id] <= HOLD_MAX_DECODING for w in may_run):
+                    # A lightly loaded decode worker may lend now or once its lent batch is done: the next batch waits
+                    # here rather than behind a long one on a prefill worker, where nothing else could take it.
+                    head_alone = head * self.pace.seconds_per_token
+                    prefill = [
+                        w
+                        for w in prefill
+                        if queue_behind(self._busy_s(w.worker_id, now), head_alone, head_slack)
+                    ]
             if not decode or not (prefill or lenders):
                 break
             if lend_instead([w.queue_len for w in prefill], len(lenders), head, lending.max_tokens):
@@ -500,13 +498,13 @@ class Dispatcher:
             if plan is None:
                 break  # the most urgent request does not fit yet: wait for blocks to come back
             # Before this batch reserves on its decode worker (which may be the idle lender).
-            borrowed, paused = (
+            borrowed = (
                 self._core_lenders(p, len(self.queue) - len(plan.request_ids), plan, now)
                 if p is not d
-                else ((), False)
+                else ()
             )
             executor = self.decode[p.worker_id] if p is d else self.prefill[p.worker_id]
-            dispatched.append(self._dispatch(plan, executor, self.decode[d.worker_id], now, borrowed, paused))
+            dispatched.append(self._dispatch(plan, executor, self.decode[d.worker_id], now, borrowed))
         return dispatched
 
     def _busy_s(self, prefill_id: str, now: float) -> float:
@@ -516,27 +514,24 @@ class Dispatcher:
         ends = [self._batch_ends.get(bid, now) for bid in w.outstanding]
         return max(0.0, max(ends, default=now) - now)
 
-    def _lent_cores(self) -> dict[str, CoreLoan]:
-        """Decode worker id -> the batch running on its cores; an entry ends with its batch (done, given back, or
-        its prefill worker gone)."""
-        for did, loan in list(self._cores_lent.items()):
-            p = self.prefill.get(loan.prefill_id)
-            if p is None or loan.batch_id not in p.outstanding:
+    def _lent_cores(self) -> dict[str, tuple[str, int]]:
+        """Decode worker id -> (prefill worker id, batch id) running on its cores; an entry ends with its batch
+        (done, given back, or its prefill worker gone)."""
+        for did, (pid, bid) in list(self._cores_lent.items()):
+            p = self.prefill.get(pid)
+            if p is None or bid not in p.outstanding:
                 del self._cores_lent[did]
         return self._cores_lent
 
-    def _core_lenders(
-        self, p: WorkerLoad, left_queued: int, plan: BatchPlan, now: float
-    ) -> tuple[tuple[str, ...], bool]:
+    def _core_lenders(self, p: WorkerLoad, left_queued: int, plan: BatchPlan, now: float) -> tuple[str, ...]:
         """The decode workers whose cores the prefill worker ``p``'s next batch (``plan``) may borrow: only a batch
         that starts at once (``p`` holds none) and leaves nothing queued (a burst runs in batches side by side
         instead, one of them lent to the idle decode worker), and only decode workers of its node that run no lent
         batch: those that hold nothing, and the busy ones too when the batch needs their cores to meet its TTFT
-        deadline (``LendingPolicy.pause_decode_ms``; they stop stepping for its forward pass). The flag: whether
-        it pauses busy ones."""
+        deadline (``LendingPolicy.pause_decode_ms``; they stop stepping for its forward pass)."""
         lending = self.config.lending
         if not (lending.enabled and lending.share_cores) or p.queue_len or left_queued:
-            return (), False
+            return ()
         lent = self._lent_cores()
         idle: list[str] = []
         every: list[str] = []
@@ -564,8 +559,8 @@ class Dispatcher:
                         for rid in rids:
                             self._paused_s[rid] = self._paused_s.get(rid, 0.0) + pause
                     self.decode_pausing_batches += 1
-                    return tuple(every), True
-        return tuple(idle), False
+                    return tuple(every)
+        return tuple(idle)
 
     def _decoding_ids(self, worker_ids: list[str]) -> dict[str, list[str]]:
         """The requests each of these decode workers decodes now (see ``_decoding``)."""
@@ -604,7 +599,6 @@ class Dispatcher:
         d: WorkerLedger,
         now: float = 0.0,
         borrowed: tuple[str, ...] = (),
-        paused: bool = False,
     ) -> Dispatch:
         self._batch_seq += 1
         bs = self.config.block_size
@@ -630,10 +624,8 @@ class Dispatcher:
         self.batches += 1
         self.lent_batches += p is d
         payloads = tuple(self.payloads[rid] for rid in plan.request_ids)
-        if borrowed:
-            ends_at = now + widened_s(plan.real_tokens * self.pace.seconds_per_token, 1, len(borrowed))
-            for did in borrowed:
-                self._cores_lent[did] = CoreLoan(p.worker_id, self._batch_seq, ends_at, paused)
+        for did in borrowed:
+            self._cores_lent[did] = (p.worker_id, self._batch_seq)
         self.core_shared_batches += bool(borrowed)
         return Dispatch(self._batch_seq, p.worker_id, d.worker_id, plan, payloads, borrowed)
 

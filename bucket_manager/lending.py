@@ -17,10 +17,11 @@ Cores are lent too (``share_cores``): a batch that a prefill worker starts at on
 leaves nothing queued may run on the cores of the decode workers pinned beside it on its node while they hold
 nothing at all (no request decoding or on its way, no lent batch). A lone prompt then prefills on every core of a 2-core host instead of one (1.5-1.7x
 faster there), and the decode core is back before the prompt's own KV reaches it. While lent, that decode worker
-takes a lent batch only when the borrowing pass would hold its cores longer than the lent prompts take alone
-(``take_cores_back``): its step then asks for them, and the pass gives them back at its next layer and runs the rest
-on its own cores (``worker/borrowed_pass.py``). Without that, a short prompt arriving just after a long one waited
-out the long one's whole forward pass (0.8-1.2 s for a 2,000-token prompt on a 2-core host) and missed its target.
+takes no lent batch (the two would share one core and stall each other's threads).
+
+While a lightly loaded decode worker may lend, a batch does not queue behind a long one on a busy prefill worker if
+its first prompt would miss its TTFT target there (``queue_behind``): it waits with the controller, and the decode
+worker takes it as soon as it may.
 
 A busy decode worker lends its cores too, to a prompt batch that needs them (``pause_decode_ms``): a long prompt on one
 core of a 2-core host misses a TTFT target that it meets on both (`small`: 1,500 tokens take 1.05 s on one core,
@@ -102,21 +103,15 @@ def lend_instead(prefill_queue_lens: list[int], lenders: int, first_prompt: int,
     return lenders > 0 and busy and first_prompt <= max_tokens
 
 
-def queue_behind(busy_s: float, head_alone_s: float) -> bool:
+def queue_behind(busy_s: float, head_alone_s: float, head_slack_s: float) -> bool:
     """Whether the next batch goes into the queue of a prefill worker whose batches are estimated to take
-    ``busy_s`` more, while a decode worker may lend: only when they end before the batch's first prompt would take
-    alone (``head_alone_s``). Otherwise it waits with the controller, where a decode worker that ends its lent batch
-    can take it: queued behind a 2,000-token prompt on a 2-core host, a 75-token one waited 1.4 s for a forward pass
-    of 50 ms and missed its target, while the decode worker was free 50 ms after it came."""
-    return busy_s <= head_alone_s
-
-
-def take_cores_back(loan_left_s: float, head_alone_s: float, paused: bool) -> bool:
-    """Whether a decode worker whose cores a prefill batch borrowed takes a lent batch (and its cores back): only
-    from a batch that borrowed them idle (``paused``: it stopped the worker's decodes to meet its own deadline, and
-    keeps them), and only when that batch is estimated to hold them ``loan_left_s`` more, longer than the lent
-    batch's first prompt takes alone (``head_alone_s``; 0 when the pace is not known yet: then it waits)."""
-    return not paused and head_alone_s > 0 and loan_left_s > head_alone_s
+    ``busy_s`` more, while a decode worker may lend: when they end before the batch's first prompt would take alone
+    (``head_alone_s``), or when that prompt would still meet its TTFT target after them (``head_slack_s``: seconds
+    to its deadline). Otherwise it waits with the controller, where a decode worker that ends its lent batch can
+    take it: queued behind a 2,000-token prompt on a 2-core host, a 75-token one waited 1.4 s for a forward pass of
+    50 ms and missed its target, while the decode worker was free 50 ms after it came. Not holding more than that
+    keeps a loaded prefill worker's queue full (each batch held back costs it the round trip to the controller)."""
+    return busy_s <= head_alone_s or busy_s + head_alone_s <= head_slack_s
 
 
 def batch_token_budget(queued_prompt_tokens: int, longest_prompt: int, runners: int, cap: int) -> int:

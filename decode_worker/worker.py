@@ -177,9 +177,7 @@ class DecodeWorker(EngineWorker):
         return self.transport.receiver.is_idle()
 
     def _step(self) -> None:
-        # With a lent prompt waiting for its first token, a prefill pass on these cores gives them back at its next
-        # layer instead of holding them to its end (worker/borrowed_pass.py).
-        with self._gate.step(want=bool(self._lent_batch)):
+        with self._gate.step():
             outs = self._timed_step()
         if self._joined_at:
             outs = self._stamp_joins(outs)

@@ -27,13 +27,11 @@ from kv_transfer.streaming import LayerStreamer
 from monitor import stages
 from monitor.records import BatchRecord
 from worker.actor import EngineWorker
-from worker.borrowed_pass import BorrowedPass
 from worker.config import WorkerConfig, layer_streaming
 from worker.core_gate import CoreGate
 from worker.cores import borrowed_cores, extra_cores
 from worker.info import DecodePeer
 from worker.messages import MessageRef, PrefilledMessage, RequestMessage
-from worker.neighbour_cores import widened_speedup
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +57,6 @@ class PrefillWorker(EngineWorker):
             tuple[int, list[tuple[RequestMessage, str]], float | None, tuple[int, ...]]
         ] = collections.deque()
         self._core_shared = 0  # batches that ran on borrowed cores too
-        self._cores_given_back = (
-            0  # of those, the ones that gave the cores back to their owner before the end
-        )
         # Borrowed cores -> their gate, opened once (loop only).
         self._gates: dict[tuple[int, ...], CoreGate] = {}
         self._in_progress = 0  # batches taken off the queue whose transfers are not all done
@@ -145,7 +140,6 @@ class PrefillWorker(EngineWorker):
             "streamed_transfers": self._streamed,
             "batches_by_socket": self.dispatch_socket.batches,
             "core_shared_batches": self._core_shared,
-            "cores_given_back": self._cores_given_back,
             "kv_layer_streaming": self._stream_layers,
             "transport": self.transport.stats(),
         }
@@ -214,7 +208,6 @@ class PrefillWorker(EngineWorker):
         if streamer is not None:
             self._begin_streams(items, reqs, streamer)
         gate = self._gate(borrow_cores)
-        widened: BorrowedPass | None = None
         try:
             # Waits for the lenders' decode steps in progress (at most one each); they step again after the forward.
             # Not free in time (a stuck lender): on its own cores.
@@ -224,12 +217,6 @@ class PrefillWorker(EngineWorker):
                 hook = streamer.on_layer_written if streamer is not None else None
                 lent = borrow_cores if held else ()
                 with borrowed_cores(self.cores, self.config.num_threads, lent) as threads:
-                    if threads > self.config.num_threads:
-                        # A lender handed a prompt of its own takes its cores back between two layers.
-                        extra = threads - self.config.num_threads
-                        speedup = widened_speedup(self.config.num_threads, extra)
-                        widened = BorrowedPass(gate, self.cores, self.config.num_threads, speedup, hook)
-                        hook = widened.on_layer_written
                     # Back to its own cores as soon as the forward is done: the batch's requests decode on the lender.
                     outs = self.engine.prefill_only(reqs, on_layer_written=hook)
             self._core_shared += threads > self.config.num_threads
@@ -245,10 +232,6 @@ class PrefillWorker(EngineWorker):
             raise
         ms = (time.perf_counter() - t0) * 1e3
         self._latency_ms = ms if self._latency_ms is None else 0.8 * self._latency_ms + 0.2 * ms
-        paced_s = ms / 1e3
-        if widened is not None and widened.given_back_at is not None:
-            self._cores_given_back += 1
-            paced_s = widened.widened_equivalent_s(paced_s)
         # The requests whose decode worker refused the handshake (full, unreachable) went through the forward pass
         # for nothing: their first token is not sent (a re-plan samples it again), their blocks are already freed.
         refused = streamer.begun() if streamer is not None else {}
@@ -283,7 +266,7 @@ class PrefillWorker(EngineWorker):
             down = decode_id if self._unreachable(decode_id, err) else None
             self._give_back(msg, f"KV transfer to {decode_id} refused: {err}", full_on=full, down=down)
         self.heartbeat.push()
-        return sends, paced_s
+        return sends, ms / 1e3
 
     def _begin_streams(
         self, items: list[tuple[RequestMessage, str]], reqs: list[Request], streamer: LayerStreamer

@@ -434,35 +434,6 @@ def with_small_model(config):
     return dataclasses.replace(config, engine=engine)
 
 
-def pinned_small_cluster(name: str) -> RayClusterBackend:
-    """A disaggregated `small` cluster (``with_small_model``) whose two workers are pinned to a core each (skipped
-    on a one-core machine: there the two workers share it and nothing can be borrowed)."""
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("one core: nothing to borrow (prefill and decode workers share it)")
-    backend = RayClusterBackend(
-        with_small_model(cluster_config("disaggregated", name, stream_kv_layers=None))
-    )
-    infos = backend.handles.infos
-    if len({c for i in infos.values() for c in i.cores}) < 2:
-        asyncio.run(backend.shutdown())
-        pytest.fail(f"the workers were not pinned to two cores: {[(n, i.cores) for n, i in infos.items()]}")
-    return backend
-
-
-def learn_pace(backend) -> float:
-    """Send a first prompt, which teaches the controller the prefill pace (it ran on both cores: counted as its time
-    alone), and wait until it has left the controller's ledger; returns the pace (seconds a token)."""
-    assert asyncio.run(collect(backend, make_request("pace", 600, 2, seed=3))).error is None
-    deadline = time.monotonic() + 10
-    while (pace := ray.get(backend.handles.controller.state.remote())["prefill_s_per_token"]) == 0.0:
-        assert time.monotonic() < deadline, "the controller never learned the prefill pace"
-        time.sleep(0.05)
-    while ray.get(backend.handles.controller.state.remote())["in_cluster"]:
-        assert time.monotonic() < deadline, "the first request never left the controller's ledger"
-        time.sleep(0.05)
-    return pace
-
-
 def needy_prompt_beside_a_decode(backend, reference, pace: float, min_prompt: int) -> None:
     """While a request decodes a long answer, send a prompt whose forward takes 0.9 s alone at ``pace`` (0.5 s on
     two cores, inside the 800 ms pause limit), however fast this machine is right now (1,400 tokens at 0.65 ms a
@@ -500,51 +471,28 @@ def test_a_long_prompt_that_needs_both_cores_pauses_the_busy_decode_worker(ray_s
     would meet, runs its forward on the decode worker's core too; the decode worker stops stepping meanwhile. Both
     answers stay exact and no block leaks. `small`, so that the prompt's forward takes long enough (hundreds of ms)
     for the controller's estimate to decide, not its timing noise."""
-    backend = pinned_small_cluster("t-pause")
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: nothing to borrow (prefill and decode workers share it)")
+    config = cluster_config("disaggregated", "t-pause", stream_kv_layers=None)
+    backend = RayClusterBackend(with_small_model(config))
     try:
+        infos = backend.handles.infos
+        if len({c for i in infos.values() for c in i.cores}) < 2:
+            pytest.fail(
+                f"the workers were not pinned to two cores: {[(n, i.cores) for n, i in infos.items()]}"
+            )
         reference = hf_reference("small", "cpu")
-        pace = learn_pace(backend)
+        # A first prompt teaches the controller the prefill pace (it ran on both cores: counted as its time alone).
+        warm = make_request("pace", 600, 2, seed=3)
+        assert asyncio.run(collect(backend, warm)).error is None
+        deadline = time.monotonic() + 10
+        while (pace := ray.get(backend.handles.controller.state.remote())["prefill_s_per_token"]) == 0.0:
+            assert time.monotonic() < deadline, "the controller never learned the prefill pace"
+            time.sleep(0.05)
         needy_prompt_beside_a_decode(backend, reference, pace, 64)
         state = ray.get(backend.handles.controller.state.remote())
         assert state["decode_pausing_batches"] == 1, (pace, state)
         assert_no_leaks_of(asyncio.run(wait_idle(backend)), 256)
-    finally:
-        asyncio.run(backend.shutdown())
-
-
-def test_a_short_prompt_takes_the_idle_decode_workers_cores_back_from_a_long_prompt(
-    ray_session, hf_reference
-):
-    """A long prompt that came alone prefills on both cores (the decode worker held nothing). A short prompt that
-    comes during that pass is lent to the decode worker, whose step asks for its core back: the long pass gives it
-    back at its next layer and ends on its own core, and the short prompt's first token comes long before the
-    long one's instead of after it. Both answers exact, no block leaked."""
-    backend = pinned_small_cluster("t-back")
-    try:
-        reference = hf_reference("small", "cpu")
-        pace = learn_pace(backend)
-        # About a second alone (~0.55 s widened), whatever this machine's pace.
-        long_req = make_request("long", max(400, min(1800, round(1.0 / pace))), 4, seed=4)
-        short_req = make_request("short", 40, 4, seed=5)
-
-        async def run():
-            long_task = asyncio.ensure_future(collect(backend, long_req))
-            await asyncio.sleep(0.1)  # the long pass has started on both cores
-            short_task = asyncio.ensure_future(collect(backend, short_req))
-            return await gather_all(backend, [long_task, short_task], 120)
-
-        long_got, short_got = asyncio.run(run())
-        for req, got in ((long_req, long_got), (short_req, short_got)):
-            assert got.error is None, got.error
-            assert got.tokens == reference.greedy(
-                req.prompt_token_ids, req.sampling.max_tokens, ignore_eos=True
-            ), req.request_id
-        assert short_got.first_token_at < long_got.first_token_at, "the short prompt waited out the long pass"
-        state = ray.get(backend.handles.controller.state.remote())
-        assert state["core_shared_batches"] >= 2 and state["lent_batches"] >= 1, (pace, state)
-        stats = asyncio.run(wait_idle(backend))
-        assert stats["t-back:prefill-0"]["cores_given_back"] == 1, stats["t-back:prefill-0"]
-        assert_no_leaks_of(stats, 256)
     finally:
         asyncio.run(backend.shutdown())
 

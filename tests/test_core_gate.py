@@ -129,71 +129,9 @@ def test_a_gate_of_no_cores_is_a_no_op(tmp_path) -> None:
 def test_the_gate_files_are_per_core_and_private(tmp_path, cores) -> None:
     gate = CoreGate(cores, str(tmp_path / "gates"))
     names = sorted(os.listdir(tmp_path / "gates"))
-    assert names == sorted(f"core-{c}.{kind}" for c in cores for kind in ("lock", "turn", "want"))
+    assert names == sorted([f"core-{c}.lock" for c in cores] + [f"core-{c}.turn" for c in cores])
     assert (os.stat(tmp_path / "gates").st_mode & 0o777) == 0o700
     gate.close()
-
-
-def test_an_owner_that_wants_its_cores_gets_them_back_at_the_borrowers_next_look(tmp_path) -> None:
-    """A decode worker with a prompt lent to it steps with ``want``: a borrower that looks between its layers
-    (``wanted``) lets the cores go, and the owner's step starts then, not at the end of the pass."""
-    owner, borrower = CoreGate((3,), str(tmp_path)), CoreGate((3,), str(tmp_path))
-    stepped = threading.Event()
-    seen: list[float] = []
-
-    def owner_step() -> None:
-        with owner.step(want=True):
-            seen.append(time.monotonic())
-            stepped.set()
-
-    try:
-        with borrower.borrow() as held:
-            assert held and not borrower.wanted(), "nobody waits yet"
-            t = threading.Thread(target=owner_step)
-            t.start()
-            deadline = time.monotonic() + 5
-            while not borrower.wanted():  # the pass's look after each layer
-                assert time.monotonic() < deadline, "the owner's want never showed"
-                time.sleep(0.005)
-            time.sleep(0.1)
-            assert not stepped.is_set(), "wanting is asking, not taking: the owner waits for the give-back"
-            gave = time.monotonic()
-            borrower.give_back()
-            assert stepped.wait(2), "the owner did not step after the cores were given back"
-            assert not borrower.wanted(), "given back: nothing more to look at"
-            borrower.give_back()  # a second give-back, and the block's end, are no-ops
-        t.join()
-    finally:
-        owner.close()
-        borrower.close()
-    assert seen[0] - gave < 0.1
-
-
-def test_an_owner_that_does_not_want_waits_for_the_whole_borrow(tmp_path) -> None:
-    """A plain step (decodes only: the borrower paused them for its own deadline) shows no want: the borrower keeps
-    the cores to the end of its block."""
-    owner, borrower = CoreGate((3,), str(tmp_path)), CoreGate((3,), str(tmp_path))
-    seen: list[float] = []
-
-    def owner_step() -> None:
-        with owner.step():
-            seen.append(time.monotonic())
-
-    try:
-        with borrower.borrow():
-            t = threading.Thread(target=owner_step)
-            t.start()
-            looks = []
-            for _ in range(20):
-                looks.append(borrower.wanted())
-                time.sleep(0.01)
-            ended = time.monotonic()
-        t.join(5)
-    finally:
-        owner.close()
-        borrower.close()
-    assert not any(looks)
-    assert seen and seen[0] >= ended
 
 
 def test_two_workers_that_borrow_each_others_cores_never_deadlock_nor_overlap(tmp_path) -> None:

@@ -20,8 +20,7 @@ needs_two_cores = pytest.mark.skipif(
 
 
 def _in_thread(fn):
-    """Run ``fn`` in a fresh thread (affinity and OpenMP's thread count are per thread) and return its result; this
-    thread's torch thread count is restored after it (torch's setting is process-wide)."""
+    """Run ``fn`` in a fresh thread (affinity and OpenMP's thread count are per thread) and return its result."""
     out: list = []
     errors: list[BaseException] = []
 
@@ -31,13 +30,9 @@ def _in_thread(fn):
         except BaseException as e:  # surfaced in the test's thread
             errors.append(e)
 
-    saved = torch.get_num_threads()
-    try:
-        t = threading.Thread(target=run)
-        t.start()
-        t.join()
-    finally:
-        torch.set_num_threads(saved)
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
     if errors:
         raise errors[0]
     return out[0]
@@ -56,7 +51,11 @@ def test_a_borrowed_core_widens_the_thread_for_the_block_then_narrows_it_back() 
         seen["after"] = (torch.get_num_threads(), os.sched_getaffinity(0))
         return seen
 
-    seen = _in_thread(body)
+    saved = torch.get_num_threads()
+    try:
+        seen = _in_thread(body)
+    finally:
+        torch.set_num_threads(saved)
     assert seen["inside"] == (2, 2, {0, 1})
     assert seen["after"] == (1, {0})
 
@@ -70,7 +69,11 @@ def test_the_thread_narrows_back_when_the_block_raises() -> None:
             raise RuntimeError("boom")
         return torch.get_num_threads(), os.sched_getaffinity(0)
 
-    assert _in_thread(body) == (1, {0})
+    saved = torch.get_num_threads()
+    try:
+        assert _in_thread(body) == (1, {0})
+    finally:
+        torch.set_num_threads(saved)
 
 
 @pytest.mark.parametrize(

@@ -11,11 +11,7 @@ out). Two advisory file locks per core make the hand-over, in a directory of thi
 * ``core-<c>.turn``: a turnstile. The borrower takes it first and keeps it; the decode worker passes through it
   (takes it and lets it go) before each step. Without it the decode worker, releasing the core lock and taking it
   again at once, could win every time and starve the borrower; with it the borrower waits for at most the step in
-  progress;
-* ``core-<c>.want``: the owner holds it (shared) while it waits to step with prompt work of its own (a batch the
-  controller lent it). A borrower that looks between layers (``wanted``) gives the cores back for the rest of its
-  forward pass (``give_back``): a short prompt lent to the decode worker then waits for one layer of a long prompt's
-  pass, not for the whole of it.
+  progress.
 
 Locks are taken in core order (no cycle between two parties), are ``flock`` locks (the kernel drops them when a
 process dies, so a crashed borrower blocks nothing) and cost two system calls per lock: about 10 us a decode step.
@@ -61,8 +57,6 @@ class CoreGate:
         self.cores = tuple(sorted(set(cores)))
         self._locks: list[int] = []
         self._turns: list[int] = []
-        self._wants: list[int] = []
-        self._holding = False  # the borrower's side: inside borrow() with the cores held, not given back
         if not self.cores:
             return
         d = directory or _GATE_DIR
@@ -70,23 +64,15 @@ class CoreGate:
         for c in self.cores:
             self._locks.append(os.open(os.path.join(d, f"core-{c}.lock"), os.O_RDWR | os.O_CREAT, 0o600))
             self._turns.append(os.open(os.path.join(d, f"core-{c}.turn"), os.O_RDWR | os.O_CREAT, 0o600))
-            self._wants.append(os.open(os.path.join(d, f"core-{c}.want"), os.O_RDWR | os.O_CREAT, 0o600))
 
     @contextlib.contextmanager
-    def step(self, wait_limit_s: float = WAIT_LIMIT_S, want: bool = False) -> Iterator[None]:
+    def step(self, wait_limit_s: float = WAIT_LIMIT_S) -> Iterator[None]:
         """The owner's side, around one step: waits while a borrower holds the cores, holds them for the step (or,
-        after ``wait_limit_s``, steps without them). ``want``: the step carries prompt work that should not wait
-        for a borrower's whole forward pass: a borrower that looks (``wanted``) gives the cores back early."""
+        after ``wait_limit_s``, steps without them)."""
         deadline = time.monotonic() + wait_limit_s
-        wanting = want and _take(self._wants, deadline, fcntl.LOCK_SH)
-        try:
-            if _take(self._turns, deadline):
-                _release(self._turns)
-            locked = _take(self._locks, deadline)
-        finally:
-            if wanting:
-                _release(self._wants)
-        if not locked:
+        if _take(self._turns, deadline):
+            _release(self._turns)
+        if not _take(self._locks, deadline):
             logger.warning(
                 "cores %s: held by another process for over %.1f s; stepping beside it",
                 self.cores,
@@ -115,48 +101,27 @@ class CoreGate:
             )
             yield False
             return
-        self._holding = True
         try:
             yield True
         finally:
-            self.give_back()
-
-    def wanted(self) -> bool:
-        """The borrower's side: whether an owner waits to step with prompt work of its own (``step(want=True)``).
-        Two system calls a core: cheap enough to ask once a layer."""
-        if not self._holding:
-            return False
-        for fd in self._wants:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-
-    def give_back(self) -> None:
-        """The borrower's side: let the cores go before ``borrow``'s block ends (its threads must be off them
-        first); a no-op once given back."""
-        if self._holding:
-            self._holding = False
             _release(self._locks)
             _release(self._turns)
 
     def close(self) -> None:
-        for fd in (*self._locks, *self._turns, *self._wants):
+        for fd in (*self._locks, *self._turns):
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._locks, self._turns, self._wants = [], [], []
+        self._locks, self._turns = [], []
 
 
-def _take(fds: list[int], deadline: float, mode: int = fcntl.LOCK_EX) -> bool:
-    """Locks (exclusive, or ``mode``) on ``fds``, in their order (core order), by ``deadline``
-    (``time.monotonic()``); False, with none of them held, when one stayed held by another party until then."""
+def _take(fds: list[int], deadline: float) -> bool:
+    """Exclusive locks on ``fds``, in their order (core order), by ``deadline`` (``time.monotonic()``); False, with
+    none of them held, when one stayed held by another party until then."""
     for i, fd in enumerate(fds):
         pause = _POLL_FIRST_S
         while True:
             try:
-                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 now = time.monotonic()

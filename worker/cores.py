@@ -60,15 +60,5 @@ def borrowed_cores(own: tuple[int, ...], num_threads: int, borrowed: tuple[int, 
     try:
         yield num_threads + len(extra)
     finally:
-        narrow_to_own(own, num_threads)
-
-
-def narrow_to_own(own: tuple[int, ...], num_threads: int) -> None:
-    """Back to the worker's ``own`` cores and ``num_threads`` (inside or after :func:`borrowed_cores`; a forward pass
-    may give borrowed cores back between its layers). Nothing for a worker that is not pinned."""
-    import torch
-
-    if not own or not hasattr(os, "sched_setaffinity"):
-        return
-    torch.set_num_threads(num_threads)
-    os.sched_setaffinity(0, set(own))
+        torch.set_num_threads(num_threads)
+        os.sched_setaffinity(0, set(own))

@@ -19,7 +19,6 @@ runs.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +30,6 @@ from bucket_manager.lending import (
     lend_instead,
     pause_decode_for,
     pause_fits_tpot,
-    queue_behind,
     widened_s,
 )
 from bucket_manager.memory_budget import MemoryBudget, WorkerLoad, blocks_for, choose_workers
@@ -47,12 +45,6 @@ from bucket_manager.worker_ledger import WorkerLedger
 SCHEDULING = ("buckets", "fcfs")
 # Batches whose forward time may still be reported (far more than ever run at once; the oldest go first).
 MAX_TIMED_BATCHES = 1024
-# A batch is held back from a busy prefill worker for a decode worker to take (``lending.queue_behind``) only while
-# one that may lend decodes at most this many requests: each prompt step lent there delays them all. Holding for
-# any lender (up to ``LendingPolicy.max_running``) kept the short prompts' gains at 3-4 req/s on the bursty
-# two-class sweep but moved so much prefill onto the decode worker at 10-16 req/s (2-core Zen 4) that its TPOT p50
-# rose from 37-59 ms to 53-85 ms and attainment fell to 0.73 / 0.58 / 0.39 from 0.81 / 0.80 / 0.74.
-HOLD_MAX_DECODING = 8
 
 
 def _arrival_order(request: RequestSummary) -> tuple[float, ...]:
@@ -193,8 +185,6 @@ class Dispatcher:
         self.pace = PrefillPace()
         # Batch id -> (prompt tokens, how much faster than on its prefill worker's own cores it was to run).
         self._batch_tokens: dict[int, tuple[int, float]] = {}
-        # Batch id -> when a prefill worker's batch is estimated to end (planning clock, from the pace), until done.
-        self._batch_ends: dict[int, float] = {}
 
     # ------------------------------------------------------------------ workers
     def set_workers(self, prefill: Mapping[str, int], decode: Mapping[str, int]) -> None:
@@ -348,7 +338,6 @@ class Dispatcher:
         """Every request of the batch has left the prefill worker: their prompt reservations end. For a lent batch
         (a decode worker's id): its prompts are prefilled; the requests' reservations stay until they end.
         ``forward_s``: the batch's forward pass as the prefill worker timed it (feeds :attr:`pace`)."""
-        self._batch_ends.pop(batch_id, None)
         timed = self._batch_tokens.pop(batch_id, None)
         if timed is not None and forward_s is not None:
             tokens, speedup = timed
@@ -429,7 +418,6 @@ class Dispatcher:
             lending = self.config.lending
             tokens = self.config.max_num_batched_tokens
             longest = head = 0
-            head_slack = math.inf
             lenders: list[WorkerLoad] = []
             if lending.enabled:
                 decoding = self._decoding()
@@ -447,21 +435,11 @@ class Dispatcher:
                 longest = self.queue.longest_prompt()
                 runners = len(self.usable("prefill")) + len(may_run)
                 tokens = batch_token_budget(queued_at_start, longest, runners, tokens)
-                if may_run:  # the head of the order decides whether the next batch is lent, or waits here
+                if lenders:  # the head of the order decides whether the next batch is lent
                     first = first_request(
                         self.queue, self.policy, now, self.online_streak, self.pace.seconds_per_token
                     )
                     head = first.prompt_len if first is not None else 0
-                    head_slack = first.ttft_deadline - now if first is not None else math.inf
-                if any(decoding[w.worker_id] <= HOLD_MAX_DECODING for w in may_run):
-                    # A lightly loaded decode worker may lend now or once its lent batch is done: the next batch waits
-                    # here rather than behind a long one on a prefill worker, where nothing else could take it.
-                    head_alone = head * self.pace.seconds_per_token
-                    prefill = [
-                        w
-                        for w in prefill
-                        if queue_behind(self._busy_s(w.worker_id, now), head_alone, head_slack)
-                    ]
             if not decode or not (prefill or lenders):
                 break
             if lend_instead([w.queue_len for w in prefill], len(lenders), head, lending.max_tokens):
@@ -504,15 +482,8 @@ class Dispatcher:
                 else ()
             )
             executor = self.decode[p.worker_id] if p is d else self.prefill[p.worker_id]
-            dispatched.append(self._dispatch(plan, executor, self.decode[d.worker_id], now, borrowed))
+            dispatched.append(self._dispatch(plan, executor, self.decode[d.worker_id], borrowed))
         return dispatched
-
-    def _busy_s(self, prefill_id: str, now: float) -> float:
-        """How long the prefill worker's batches (running and queued there) are estimated to take still; 0 while
-        the pace is unknown."""
-        w = self.prefill[prefill_id]
-        ends = [self._batch_ends.get(bid, now) for bid in w.outstanding]
-        return max(0.0, max(ends, default=now) - now)
 
     def _lent_cores(self) -> dict[str, tuple[str, int]]:
         """Decode worker id -> (prefill worker id, batch id) running on its cores; an entry ends with its batch
@@ -593,12 +564,7 @@ class Dispatcher:
         return {did: len(rids) for did, rids in self._decoding_ids(list(self.decode)).items()}
 
     def _dispatch(
-        self,
-        plan: BatchPlan,
-        p: WorkerLedger,
-        d: WorkerLedger,
-        now: float = 0.0,
-        borrowed: tuple[str, ...] = (),
+        self, plan: BatchPlan, p: WorkerLedger, d: WorkerLedger, borrowed: tuple[str, ...] = ()
     ) -> Dispatch:
         self._batch_seq += 1
         bs = self.config.block_size
@@ -614,12 +580,8 @@ class Dispatcher:
             # Paced on the prefill worker's own cores: a batch on borrowed cores too counts as its estimate alone.
             speedup = 1.0 / widened_s(1.0, 1, len(borrowed))
             self._batch_tokens[self._batch_seq] = (plan.real_tokens, speedup)
-            # Run after the batches it holds: when this one is estimated to end.
-            alone = plan.real_tokens * self.pace.seconds_per_token
-            self._batch_ends[self._batch_seq] = now + self._busy_s(p.worker_id, now) + alone / speedup
-            for timed in (self._batch_tokens, self._batch_ends):
-                if len(timed) > MAX_TIMED_BATCHES:  # batches of a worker that died never report
-                    del timed[next(iter(timed))]
+            if len(self._batch_tokens) > MAX_TIMED_BATCHES:  # batches of a worker that died never report
+                del self._batch_tokens[next(iter(self._batch_tokens))]
         self.online_streak = 0 if plan.priority_class.value == "offline" else self.online_streak + 1
         self.batches += 1
         self.lent_batches += p is d

@@ -19,10 +19,6 @@ nothing at all (no request decoding or on its way, no lent batch). A lone prompt
 faster there), and the decode core is back before the prompt's own KV reaches it. While lent, that decode worker
 takes no lent batch (the two would share one core and stall each other's threads).
 
-While a lightly loaded decode worker may lend, a batch does not queue behind a long one on a busy prefill worker if
-its first prompt would miss its TTFT target there (``queue_behind``): it waits with the controller, and the decode
-worker takes it as soon as it may.
-
 A busy decode worker lends its cores too, to a prompt batch that needs them (``pause_decode_ms``): a long prompt on one
 core of a 2-core host misses a TTFT target that it meets on both (`small`: 1,500 tokens take 1.05 s on one core,
 0.53 s on two). When the batch starts at once and leaves nothing queued, its forward on its own cores would end past
@@ -101,17 +97,6 @@ def lend_instead(prefill_queue_lens: list[int], lenders: int, first_prompt: int,
     still go to the lender, in a batch of at most ``max_tokens``."""
     busy = not prefill_queue_lens or min(prefill_queue_lens) > 0
     return lenders > 0 and busy and first_prompt <= max_tokens
-
-
-def queue_behind(busy_s: float, head_alone_s: float, head_slack_s: float) -> bool:
-    """Whether the next batch goes into the queue of a prefill worker whose batches are estimated to take
-    ``busy_s`` more, while a decode worker may lend: when they end before the batch's first prompt would take alone
-    (``head_alone_s``), or when that prompt would still meet its TTFT target after them (``head_slack_s``: seconds
-    to its deadline). Otherwise it waits with the controller, where a decode worker that ends its lent batch can
-    take it: queued behind a 2,000-token prompt on a 2-core host, a 75-token one waited 1.4 s for a forward pass of
-    50 ms and missed its target, while the decode worker was free 50 ms after it came. Not holding more than that
-    keeps a loaded prefill worker's queue full (each batch held back costs it the round trip to the controller)."""
-    return busy_s <= head_alone_s or busy_s + head_alone_s <= head_slack_s
 
 
 def batch_token_budget(queued_prompt_tokens: int, longest_prompt: int, runners: int, cap: int) -> int:

@@ -3,12 +3,9 @@ burst is spread over the idle executors, and how the dispatcher's ledger follows
 
 from __future__ import annotations
 
-import math
-
 import pytest
 from test_dispatcher import BS, dispatcher, req
 
-from bucket_manager.dispatcher import HOLD_MAX_DECODING
 from bucket_manager.lending import (
     LendingPolicy,
     Neighbour,
@@ -17,7 +14,6 @@ from bucket_manager.lending import (
     lend_instead,
     pause_decode_for,
     pause_fits_tpot,
-    queue_behind,
     widened_s,
 )
 from bucket_manager.memory_budget import blocks_for
@@ -184,91 +180,6 @@ def test_a_lone_prompt_borrows_the_idle_decode_workers_cores_until_its_batch_is_
     [fourth] = d.plan(2.0)
     assert fourth.borrowed == ("d0",), "idle again: lent again"
     assert d.state()["core_shared_batches"] == 2
-
-
-def test_a_short_prompt_behind_a_pass_on_the_decode_workers_cores_waits_here() -> None:
-    d = _busy_next_door()
-    d.submit(req(1, prompt=800, out=16, arrival=1.0, ttft_slo_ms=600.0))
-    [batch] = d.plan(1.0)
-    assert batch.borrowed == ("d0",) and d.state()["decode_pausing_batches"] == 1
-    d.submit(req(2, prompt=64, out=16, arrival=1.01, ttft_slo_ms=300.0))
-    assert d.plan(1.01) == [], (
-        "not lent to d0; and it waits here: behind the ~0.44 s pass on p0 it would be late"
-    )
-    d.batch_done("p0", batch.batch_id)
-    [after] = d.plan(1.45)
-    assert (after.request_ids, after.prefill_id, after.lent) == (("r2",), "p0", False)
-
-
-def test_a_short_prompt_waits_for_the_lender_rather_than_behind_a_long_batch() -> None:
-    # p0 runs a 1,500-token prompt (~1.5 s at 1 ms a token; two waiting share it out, nothing borrowed); d0 runs a
-    # lent batch of short prompts. A 75-token prompt then waits here, not behind the long one on p0, and goes to
-    # d0 as soon as its lent batch is done.
-    d = dispatcher(lending=ON, max_batches_per_prefill_worker=2)
-    d.pace.observe(1000, 1.0)
-    d.submit(req(0, prompt=1500, out=16))
-    d.submit(req(1, prompt=100, out=16))
-    first, lent = d.plan(0.0)
-    assert (first.request_ids, lent.request_ids, lent.lent) == (("r0",), ("r1",), True)
-    d.submit(req(2, prompt=75, out=16, arrival=0.05, ttft_slo_ms=600.0))
-    assert d.plan(0.05) == [], "p0 is busy for ~1.45 s more (past its target), d0 still has its lent batch"
-    d.batch_done("d0", lent.batch_id)
-    [short] = d.plan(0.12)
-    assert (short.request_ids, short.prefill_id, short.lent) == (("r2",), "d0", True)
-    # Without a decode worker that may lend, the prefill worker's queue takes it as before.
-    d2 = dispatcher(lending=STRICT, max_batches_per_prefill_worker=2)
-    d2.pace.observe(1000, 1.0)
-    d2.submit(req(0, prompt=1500, out=16))
-    [long] = d2.plan(0.0)
-    d2.batch_done("p0", long.batch_id, forward_s=1.5)  # r0 decodes on d0 now: STRICT lends nothing
-    d2.submit(req(1, prompt=1500, out=16, arrival=1.5))
-    [again] = d2.plan(1.5)
-    d2.submit(req(2, prompt=75, out=16, arrival=1.55, ttft_slo_ms=600.0))
-    [queued] = d2.plan(1.55)
-    assert (queued.request_ids, queued.prefill_id) == (("r2",), "p0")
-    # Nor is a prompt held back that meets its target behind the prefill worker's batch (none here: no target).
-    d3 = dispatcher(lending=ON, max_batches_per_prefill_worker=2)
-    d3.pace.observe(1000, 1.0)
-    d3.submit(req(0, prompt=1500, out=16))
-    d3.submit(req(1, prompt=100, out=16))
-    d3.plan(0.0)
-    d3.submit(req(2, prompt=75, out=16, arrival=0.05))
-    [behind] = d3.plan(0.05)
-    assert (behind.request_ids, behind.prefill_id) == (("r2",), "p0")
-
-
-def test_a_busy_decode_worker_is_not_waited_for() -> None:
-    # d0 decodes more than HOLD_MAX_DECODING requests: a prompt lent there delays them all, so a batch that would be
-    # late behind p0's long one still queues there rather than wait for d0's lent batch to end.
-    d = dispatcher(lending=ON, max_batches_per_prefill_worker=2)
-    d.pace.observe(1000, 1.0)
-    for i in range(HOLD_MAX_DECODING + 1):
-        d.submit(req(i, prompt=16, out=64))
-    for batch in d.plan(0.0):
-        d.batch_done(batch.prefill_id, batch.batch_id)
-    assert d.state()["decode"]["d0"]["requests"] == HOLD_MAX_DECODING + 1
-    d.submit(req(20, prompt=1500, out=16, arrival=0.1))
-    d.submit(req(21, prompt=100, out=16, arrival=0.1))
-    long, lent = d.plan(0.1)
-    assert (long.prefill_id, lent.prefill_id) == ("p0", "d0")
-    d.submit(req(22, prompt=75, out=16, arrival=0.15, ttft_slo_ms=600.0))
-    [queued] = d.plan(0.15)
-    assert (queued.request_ids, queued.prefill_id) == (("r22",), "p0")
-
-
-@pytest.mark.parametrize(
-    ("busy_s", "head_s", "slack_s", "queues"),
-    [
-        (0.0, 0.0, 0.5, True),
-        (0.03, 0.05, 0.0, True),  # ends before the prompt would: no reason to wait elsewhere
-        (1.4, 0.05, 0.6, False),  # would miss its target behind the prefill worker's batches
-        (0.4, 0.05, 0.6, True),  # still meets it behind them
-        (1.4, 0.05, math.inf, True),  # no target
-        (0.01, 0.0, -1.0, False),
-    ],
-)
-def test_queue_behind(busy_s, head_s, slack_s, queues) -> None:
-    assert queue_behind(busy_s, head_s, slack_s) is queues
 
 
 def test_a_burst_runs_side_by_side_instead_of_borrowing() -> None:

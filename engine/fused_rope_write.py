@@ -123,9 +123,8 @@ def _disagreement(module: torch.nn.Module, rope_write: RopeWriteFn, gen: torch.G
     try:
         want_q, want_k = module.fused_rotary(q, k, cos, sin)
         qkv = torch.cat([x[0].transpose(0, 1).reshape(t, -1) for x in (q, k, v)], dim=1)  # [T, (H + 2 KVH) D]
-        ctx = probe_context(
-            module, t, paged_attention_ref, layers=1
-        )  # the tokens in slots after the null block
+        # The tokens in slots after the null block; the probe writes, it does not attend.
+        ctx = probe_context(module, t, paged_attention_ref, layers=1)
         caches = (ctx.kv_data[0, 0], ctx.kv_data[0, 1])  # [NB + 1, BS, KVH, D] each
         got_q = rope_write(qkv, cos[0], sin[0], *caches, ctx.slot_mapping, heads, kv_heads)
     except Exception as e:  # a module this kernel cannot stand in for may fail on the probe

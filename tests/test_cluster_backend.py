@@ -7,6 +7,7 @@ import dataclasses
 import os
 import random
 import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 import ray
@@ -434,12 +435,15 @@ def with_small_model(config):
     return dataclasses.replace(config, engine=engine)
 
 
-def needy_prompt_beside_a_decode(backend, reference, pace: float, min_prompt: int) -> None:
+def needy_prompt_beside_a_decode(
+    backend, reference, pace: float | Callable[[], Awaitable[float]], min_prompt: int
+) -> None:
     """While a request decodes a long answer, send a prompt whose forward takes 0.9 s alone at ``pace`` (0.5 s on
     two cores, inside the 800 ms pause limit), however fast this machine is right now (1,400 tokens at 0.65 ms a
     token on a quiet 2-core EPYC, 740 at 1.2 ms beside other clusters), with a TTFT target of 0.8x that: missed on
-    one core, met on two. Both answers equal HF greedy, and the first was still decoding when the second began."""
-    long_prompt = max(min_prompt, min(1800, round(0.9 / pace)))
+    one core, met on two. ``pace`` may be a coroutine function, asked once the first request decodes (the pace of
+    the worker the prompt will go to, where two workers' cores differ). Both answers equal HF greedy, and the first
+    was still decoding when the second began."""
     decoding = make_request("decoding", 20, 400, seed=3)
 
     async def run():
@@ -449,6 +453,10 @@ def needy_prompt_beside_a_decode(backend, reference, pace: float, min_prompt: in
         waiting = asyncio.ensure_future(started.wait())
         await gather_all(backend, [waiting], 120)
         await asyncio.sleep(0.2)
+        nonlocal pace
+        if callable(pace):
+            pace = await pace()
+        long_prompt = max(min_prompt, min(1800, round(0.9 / pace)))
         needy = make_request("needy", long_prompt, 8, seed=4)  # made when sent: its target counts from here
         needy.slo_ttft_ms = 0.8 * long_prompt * pace * 1e3
         second, done = await gather_all(backend, [asyncio.ensure_future(collect(backend, needy)), first], 180)
@@ -530,9 +538,17 @@ def test_colocated_workers_lend_each_other_their_cores_for_long_prompts(ray_sess
             )
         by_worker = asyncio.run(stats())
         assert all(s["prompt_s_per_token"] > 0 for s in by_worker.values()), by_worker
-        # The faster worker's pace sizes the needy prompt below: whichever worker gets it then finds it late on its
-        # own core (taken before the lone prompt: a widened step's time counts at an assumed speed-up).
-        pace = min(s["prompt_s_per_token"] for s in by_worker.values())
+        # The pace of the worker that gets the needy prompt sizes it below (the two cores' speeds may differ by a
+        # third: a prompt sized by the faster one's pace is then late on the slower one's two cores as well). Taken
+        # before the lone prompt: a widened step's time counts at an assumed speed-up.
+        paces = {n: s["prompt_s_per_token"] for n, s in by_worker.items()}
+
+        async def idle_worker_pace() -> float:
+            # The gateway sends a request to the worker with fewer in flight: the one not decoding.
+            idle = [n for n, s in (await stats()).items() if s["running"] == 0]
+            assert len(idle) == 1, idle
+            return paces[idle[0]]
+
         shared_before = sum(s["core_shared_steps"] for s in by_worker.values())
         # Alone: its chunks run on both cores (the other worker is idle).
         lone = make_request("lone", 700, 2, seed=3)
@@ -542,10 +558,10 @@ def test_colocated_workers_lend_each_other_their_cores_for_long_prompts(ray_sess
         assert sum(s["core_shared_steps"] for s in by_worker.values()) > shared_before, by_worker
         assert sum(s["neighbour_pausing_steps"] for s in by_worker.values()) == 0, by_worker
         # To the other worker: the gateway sends a request to the one with fewer in flight.
-        needy_prompt_beside_a_decode(backend, reference, pace, 200)
+        needy_prompt_beside_a_decode(backend, reference, idle_worker_pace, 200)
         by_worker = asyncio.run(stats())
         assert sum(s["neighbour_pausing_steps"] for s in by_worker.values()) >= 1, (
-            pace,
+            paces,
             {n: (s["prompt_s_per_token"], s["core_shared_steps"]) for n, s in by_worker.items()},
         )
         assert_no_leaks_of(asyncio.run(wait_idle(backend)), 256)

@@ -176,6 +176,8 @@ class Controller:
         self._channels: dict[str, DispatchChannel] = {}
         self._opening: set[str] = set()
         self._channel_retry_at: dict[str, float] = {}
+        # (prefill worker id, batch id) of the batches being asked back from a prefill worker's queue to be lent.
+        self._withdrawing: set[tuple[str, int]] = set()
         # Gateways on this node submit over a socket of this controller (opened when the first one asks), whose
         # reader thread hands each submit to the event loop; the submits it has under way.
         self._submit_socket: FrameListener | None = None
@@ -774,6 +776,30 @@ class Controller:
                 with contextlib.suppress(Exception):
                     for did in batch.borrowed:
                         self._monitor.record_core_lend.remote(did)
+        for prefill_id, batch_id in self.dispatcher.withdrawals(time.time()):
+            if (prefill_id, batch_id) not in self._withdrawing and prefill_id in self.handles:
+                self._withdrawing.add((prefill_id, batch_id))
+                asyncio.get_running_loop().create_task(self._take_back(prefill_id, batch_id))
+
+    async def _take_back(self, prefill_id: str, batch_id: int) -> None:
+        """Ask a prefill worker for a queued batch back, to lend it to a decode worker that freed up; a batch it has
+        started (or a worker that does not answer) stays where it is."""
+        try:
+            given = await self.handles[prefill_id].withdraw.remote(batch_id)
+        except Exception as e:
+            logger.warning("could not take batch %d back from %s: %s", batch_id, prefill_id, e)
+            given = False
+        finally:
+            self._withdrawing.discard((prefill_id, batch_id))
+        if given:
+            back = self.dispatcher.take_back(prefill_id, batch_id)
+            logger.info(
+                "took batch %d (%d prompts) back from %s's queue: a decode worker is free to prefill it sooner",
+                batch_id,
+                len(back),
+                prefill_id,
+            )
+            self._wake.set()
 
     # ------------------------------------------------------------------ dispatch sockets
     def _dispatch_channel(self, worker_id: str) -> DispatchChannel | None:

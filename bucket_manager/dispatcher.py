@@ -31,6 +31,7 @@ from bucket_manager.lending import (
     pause_decode_for,
     pause_fits_tpot,
     widened_s,
+    withdraw_to_lend,
 )
 from bucket_manager.memory_budget import MemoryBudget, WorkerLoad, blocks_for, choose_workers
 from bucket_manager.prefill_pace import PrefillPace
@@ -185,6 +186,11 @@ class Dispatcher:
         self.pace = PrefillPace()
         # Batch id -> (prompt tokens, how much faster than on its prefill worker's own cores it was to run).
         self._batch_tokens: dict[int, tuple[int, float]] = {}
+        # Batch id -> when it was dispatched (the planning clock), for the batches on prefill workers.
+        self._dispatched_at: dict[int, float] = {}
+        # Requests taken back from a prefill worker's queue once (:meth:`withdrawals`): never a second time.
+        self._withdrawn: set[str] = set()
+        self.withdrawn_batches = 0
 
     # ------------------------------------------------------------------ workers
     def set_workers(self, prefill: Mapping[str, int], decode: Mapping[str, int]) -> None:
@@ -329,6 +335,7 @@ class Dispatcher:
         self.payloads.pop(request_id, None)
         self.attempts.pop(request_id, None)
         self._paused_s.pop(request_id, None)
+        self._withdrawn.discard(request_id)
         placed = self.placement.pop(request_id, None)
         if placed is not None and placed[1] in self.decode:
             self.decode[placed[1]].reserved.pop(request_id, None)
@@ -339,6 +346,7 @@ class Dispatcher:
         (a decode worker's id): its prompts are prefilled; the requests' reservations stay until they end.
         ``forward_s``: the batch's forward pass as the prefill worker timed it (feeds :attr:`pace`)."""
         timed = self._batch_tokens.pop(batch_id, None)
+        self._dispatched_at.pop(batch_id, None)
         if timed is not None and forward_s is not None:
             tokens, speedup = timed
             self.pace.observe(tokens, forward_s * speedup)
@@ -482,8 +490,82 @@ class Dispatcher:
                 else ()
             )
             executor = self.decode[p.worker_id] if p is d else self.prefill[p.worker_id]
-            dispatched.append(self._dispatch(plan, executor, self.decode[d.worker_id], borrowed))
+            dispatched.append(self._dispatch(plan, executor, self.decode[d.worker_id], borrowed, now))
         return dispatched
+
+    def _free_lenders(self, now: float) -> list[WorkerLedger]:
+        """The decode workers that may take a lent batch now: lending on, few enough requests decoding, no lent batch
+        of their own, not held as full, their cores not lent to a prefill worker's batch."""
+        lending = self.config.lending
+        if not lending.enabled:
+            return []
+        decoding = self._decoding()
+        lent_cores = self._lent_cores()
+        return [
+            w
+            for w in self.usable("decode")
+            if lending.can_lend(decoding[w.worker_id], 0)
+            and not w.outstanding
+            and not self._held(w.worker_id, now)
+            and w.worker_id not in lent_cores
+        ]
+
+    def withdrawals(self, now: float) -> list[tuple[str, int]]:
+        """(prefill worker id, batch id) of the batches to take back from prefill workers' queues, at most one per
+        free lender: a batch queued behind the one its worker runs, whose most urgent prompt would miss its TTFT
+        target waiting there and would make it on a lender starting now (``withdraw_to_lend``). The caller asks
+        the worker to give it up (it may have started meanwhile) and, if it does, calls :meth:`take_back`."""
+        pace = self.pace.seconds_per_token
+        if not pace or not len(self.prefill):
+            return []
+        lenders = len(self._free_lenders(now))
+        chosen: list[tuple[str, int]] = []
+        for w in self.prefill.values():
+            if len(chosen) >= lenders:
+                break
+            if not self._usable(w) or len(w.outstanding) < 2:
+                continue
+            # Batches in dispatch order: the first runs (or has run and is sending its KV), the rest wait.
+            running, *waiting = w.outstanding
+            started = self._dispatched_at.get(running)
+            timed = self._batch_tokens.get(running)
+            if started is None or timed is None:
+                continue
+            tokens, speedup = timed
+            left = started + tokens * pace / speedup - now  # at the earliest it started when dispatched
+            for bid in waiting:
+                rids = w.outstanding[bid]
+                own = self._batch_tokens.get(bid)
+                if own is None or any(r in self._withdrawn or r not in self.summaries for r in rids):
+                    continue
+                slack = min(self.summaries[r].ttft_deadline for r in rids) - now
+                if withdraw_to_lend(own[0], own[0] * pace, left, slack, self.config.lending.max_tokens):
+                    chosen.append((w.worker_id, bid))
+                    break
+                left += own[0] * pace / own[1]
+        return chosen
+
+    def take_back(self, prefill_id: str, batch_id: int) -> list[str]:
+        """The prefill worker gave up a batch it had not started (:meth:`withdrawals`): its requests' reservations
+        end and they queue again, to be planned anew; returns their ids."""
+        w = self.prefill.get(prefill_id)
+        rids = w.outstanding.pop(batch_id, ()) if w is not None else ()
+        self._batch_tokens.pop(batch_id, None)
+        self._dispatched_at.pop(batch_id, None)
+        back: list[str] = []
+        for rid in rids:
+            if w is not None:
+                w.reserved.pop(rid, None)
+            placed = self.placement.pop(rid, None)
+            if placed is not None and placed[1] in self.decode:
+                self.decode[placed[1]].reserved.pop(rid, None)
+            summary = self.summaries.get(rid)
+            if summary is not None and rid not in self.queue:
+                self._withdrawn.add(rid)
+                self._enqueue(summary)
+                back.append(rid)
+        self.withdrawn_batches += bool(rids)
+        return back
 
     def _lent_cores(self) -> dict[str, tuple[str, int]]:
         """Decode worker id -> (prefill worker id, batch id) running on its cores; an entry ends with its batch
@@ -564,7 +646,12 @@ class Dispatcher:
         return {did: len(rids) for did, rids in self._decoding_ids(list(self.decode)).items()}
 
     def _dispatch(
-        self, plan: BatchPlan, p: WorkerLedger, d: WorkerLedger, borrowed: tuple[str, ...] = ()
+        self,
+        plan: BatchPlan,
+        p: WorkerLedger,
+        d: WorkerLedger,
+        borrowed: tuple[str, ...] = (),
+        now: float = 0.0,
     ) -> Dispatch:
         self._batch_seq += 1
         bs = self.config.block_size
@@ -580,8 +667,11 @@ class Dispatcher:
             # Paced on the prefill worker's own cores: a batch on borrowed cores too counts as its estimate alone.
             speedup = 1.0 / widened_s(1.0, 1, len(borrowed))
             self._batch_tokens[self._batch_seq] = (plan.real_tokens, speedup)
+            self._dispatched_at[self._batch_seq] = now
             if len(self._batch_tokens) > MAX_TIMED_BATCHES:  # batches of a worker that died never report
                 del self._batch_tokens[next(iter(self._batch_tokens))]
+            if len(self._dispatched_at) > MAX_TIMED_BATCHES:
+                del self._dispatched_at[next(iter(self._dispatched_at))]
         self.online_streak = 0 if plan.priority_class.value == "offline" else self.online_streak + 1
         self.batches += 1
         self.lent_batches += p is d
@@ -614,6 +704,7 @@ class Dispatcher:
             "bucket_sizes": self.queue.sizes(),
             "batches": self.batches,
             "lent_batches": self.lent_batches,
+            "withdrawn_batches": self.withdrawn_batches,
             "core_shared_batches": self.core_shared_batches,
             "decode_pausing_batches": self.decode_pausing_batches,
             "prefill_s_per_token": self.pace.seconds_per_token,

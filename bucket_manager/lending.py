@@ -27,6 +27,12 @@ its most urgent TTFT deadline, on the widened cores would not, and would pause t
 request decoding there waits that long once between two of its tokens; the TPOT targets stay the guard: the pauses a
 request takes over its life may use at most half of its TPOT slack (``pause_fits_tpot``).
 
+A batch already queued on a prefill worker behind the one it runs may still be lent: when a decode worker frees up
+and the batch's most urgent prompt would miss its TTFT target waiting there but not if it started now
+(``withdraw_to_lend``), the controller takes it back from the prefill worker (only if it has not started) and plans
+it again, so the lender gets it. Short prompts that came while the decode worker ran its one lent batch no longer
+wait behind a long prompt for that reason.
+
 Colocated workers of one node lend each other their cores the same way, each deciding for its own next step from
 what its neighbours post (``colocated_borrow``, ``worker/neighbour_cores.py``): a step with a long prompt chunk runs
 on the idle neighbours' cores too, and pauses neighbours that only decode when its most urgent prompt needs them
@@ -97,6 +103,19 @@ def lend_instead(prefill_queue_lens: list[int], lenders: int, first_prompt: int,
     still go to the lender, in a batch of at most ``max_tokens``."""
     busy = not prefill_queue_lens or min(prefill_queue_lens) > 0
     return lenders > 0 and busy and first_prompt <= max_tokens
+
+
+def withdraw_to_lend(
+    batch_tokens: int, batch_s: float, running_left_s: float, slack_s: float, max_tokens: int
+) -> bool:
+    """Whether a batch queued on a prefill worker behind the batch it runs should be taken back and lent to a
+    decode worker that has just freed up: it fits a lent batch (``batch_tokens`` <= ``max_tokens``), and its most
+    urgent prompt (TTFT deadline ``slack_s`` from now) would miss its target behind the running batch
+    (``running_left_s`` more, then ``batch_s`` of its own) and make it if it started now. Unknown times (0) never
+    withdraw anything."""
+    if not (0 < batch_tokens <= max_tokens) or not (batch_s > 0 and running_left_s > 0):
+        return False
+    return running_left_s + batch_s > slack_s >= batch_s
 
 
 def batch_token_budget(queued_prompt_tokens: int, longest_prompt: int, runners: int, cap: int) -> int:

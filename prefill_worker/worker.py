@@ -115,6 +115,17 @@ class PrefillWorker(EngineWorker):
             self._held[batch_id] = list(items)
             self._cond.notify_all()
 
+    def withdraw(self, batch_id: int) -> bool:
+        """Give a queued batch back to the controller (it plans it again, for a decode worker that freed up):
+        True if it was still waiting here, False if it has started or never came."""
+        with self._cond:
+            for i, (bid, *_) in enumerate(self._queue):
+                if bid == batch_id:
+                    del self._queue[i]
+                    self._held.pop(batch_id, None)
+                    return True
+        return False
+
     def held_batches(self) -> list[tuple[int, list[tuple[RequestSummary, RequestMessage, str]]]]:
         """The batches held here, queued or in progress, each (batch id, [(summary, request, decode worker id)]),
         without the aborted requests: what a restarted controller rebuilds its ledger from."""

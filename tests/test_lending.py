@@ -15,6 +15,7 @@ from bucket_manager.lending import (
     pause_decode_for,
     pause_fits_tpot,
     widened_s,
+    withdraw_to_lend,
 )
 from bucket_manager.memory_budget import blocks_for
 from bucket_manager.priority import PriorityPolicy
@@ -387,3 +388,57 @@ def test_a_colocated_step_pauses_a_decoding_neighbour_only_when_its_prompt_needs
     three = dict(remaining_alone_s=1.5, step_alone_s=0.36, slack_s=0.8)
     assert _colocated([IDLE, _decoding()], **three) == [0, 1]  # 0.83 s on two cores, 0.56 s on three
     assert _colocated([IDLE, _decoding()], remaining_alone_s=1.05) == [0]  # 0.58 s on two: on time
+
+
+def test_a_queued_batch_is_withdrawn_only_to_turn_a_miss_into_a_hit() -> None:
+    # 100 tokens (0.1 s), 1.4 s left of the batch ahead, 0.55 s to the deadline: late there, on time if lent now.
+    assert withdraw_to_lend(100, 0.1, 1.4, 0.55, 512)
+    assert not withdraw_to_lend(100, 0.1, 0.3, 0.55, 512), "on time behind the running batch anyway"
+    assert not withdraw_to_lend(100, 0.1, 1.4, 0.05, 512), "late even if lent now"
+    assert not withdraw_to_lend(600, 0.6, 1.4, 0.9, 512), "longer than a lent batch may be"
+    assert not withdraw_to_lend(100, 0.1, 1.4, float("inf"), 512), "no TTFT target"
+    assert not withdraw_to_lend(100, 0.0, 1.4, 0.55, 512), "pace unknown"
+    assert not withdraw_to_lend(100, 0.1, 0.0, 0.55, 512), "the batch ahead should be done: it has started"
+
+
+def _short_prompt_behind_a_long_one(ttft_slo_ms: float):
+    """p0 runs a 1,500-token prompt (1.5 s at 1 ms a token) with a short online prompt queued behind it, queued
+    there because d0 was running its one lent batch; that lent batch is done at t = 0.1."""
+    d = dispatcher(lending=ON)
+    d.pace.observe(1000, 1.0)
+    d.submit(req(0, prompt=1500, out=16, arrival=0.0))
+    [long_batch] = d.plan(0.0)
+    d.submit(req(1, prompt=64, out=16, arrival=0.01))
+    [lent] = d.plan(0.01)
+    d.submit(req(2, prompt=100, out=16, arrival=0.05, ttft_slo_ms=ttft_slo_ms))
+    [queued] = d.plan(0.05)
+    assert not long_batch.lent and lent.lent and (queued.prefill_id, queued.lent) == ("p0", False)
+    assert d.withdrawals(0.06) == [], "no decode worker is free to take it"
+    d.batch_done("d0", lent.batch_id)
+    return d, long_batch, queued
+
+
+def test_a_short_prompt_queued_behind_a_long_one_is_taken_back_and_lent_when_a_decode_worker_frees_up() -> (
+    None
+):
+    d, long_batch, queued = _short_prompt_behind_a_long_one(600.0)
+    assert d.withdrawals(0.1) == [("p0", queued.batch_id)]
+    assert d.take_back("p0", queued.batch_id) == ["r2"]
+    # Its reservations are gone and it is queued again; the batch ahead is untouched.
+    assert list(d.prefill["p0"].outstanding) == [long_batch.batch_id] and "r2" not in d.prefill["p0"].reserved
+    assert "r2" not in d.decode["d0"].reserved and "r2" in d.queue and "r2" not in d.placement
+    [again] = d.plan(0.1)
+    assert again.lent and again.request_ids == ("r2",) and d.state()["withdrawn_batches"] == 1
+    assert d.withdrawals(0.11) == [], "nothing is queued behind the long prompt now"
+
+
+def test_a_queued_batch_that_makes_its_target_where_it_is_stays() -> None:
+    d, _, _ = _short_prompt_behind_a_long_one(5000.0)
+    assert d.withdrawals(0.1) == []
+
+
+def test_a_batch_that_has_left_its_queue_is_not_taken_back_twice() -> None:
+    d, long_batch, queued = _short_prompt_behind_a_long_one(600.0)
+    d.forget("r2")  # aborted while the prefill worker was being asked
+    assert d.take_back("p0", queued.batch_id) == []
+    assert list(d.prefill["p0"].outstanding) == [long_batch.batch_id] and "r2" not in d.queue

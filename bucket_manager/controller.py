@@ -176,8 +176,10 @@ class Controller:
         self._channels: dict[str, DispatchChannel] = {}
         self._opening: set[str] = set()
         self._channel_retry_at: dict[str, float] = {}
-        # (prefill worker id, batch id) of the batches being asked back from a prefill worker's queue to be lent.
+        # (prefill worker id, batch id) of the batches being asked back from a prefill worker's queue to be lent, and
+        # of those it kept (started already): not asked again.
         self._withdrawing: set[tuple[str, int]] = set()
+        self._kept: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         # Gateways on this node submit over a socket of this controller (opened when the first one asks), whose
         # reader thread hands each submit to the event loop; the submits it has under way.
         self._submit_socket: FrameListener | None = None
@@ -777,7 +779,8 @@ class Controller:
                     for did in batch.borrowed:
                         self._monitor.record_core_lend.remote(did)
         for prefill_id, batch_id in self.dispatcher.withdrawals(time.time()):
-            if (prefill_id, batch_id) not in self._withdrawing and prefill_id in self.handles:
+            key = (prefill_id, batch_id)
+            if key not in self._withdrawing and key not in self._kept and prefill_id in self.handles:
                 self._withdrawing.add((prefill_id, batch_id))
                 asyncio.get_running_loop().create_task(self._take_back(prefill_id, batch_id))
 
@@ -791,15 +794,19 @@ class Controller:
             given = False
         finally:
             self._withdrawing.discard((prefill_id, batch_id))
-        if given:
-            back = self.dispatcher.take_back(prefill_id, batch_id)
-            logger.info(
-                "took batch %d (%d prompts) back from %s's queue: a decode worker is free to prefill it sooner",
-                batch_id,
-                len(back),
-                prefill_id,
-            )
-            self._wake.set()
+        if not given:
+            self._kept[(prefill_id, batch_id)] = None
+            if len(self._kept) > 1024:  # bounded: a batch kept is done within seconds
+                self._kept.popitem(last=False)
+            return
+        back = self.dispatcher.take_back(prefill_id, batch_id)
+        logger.info(
+            "took batch %d (%d prompts) back from %s's queue: a decode worker is free to prefill it sooner",
+            batch_id,
+            len(back),
+            prefill_id,
+        )
+        self._wake.set()
 
     # ------------------------------------------------------------------ dispatch sockets
     def _dispatch_channel(self, worker_id: str) -> DispatchChannel | None:

@@ -180,6 +180,8 @@ class Controller:
         # of those it kept (started already): not asked again.
         self._withdrawing: set[tuple[str, int]] = set()
         self._kept: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+        # The asks under way, held here: the event loop keeps only weak references to its tasks.
+        self._take_backs: set[asyncio.Task] = set()
         # Gateways on this node submit over a socket of this controller (opened when the first one asks), whose
         # reader thread hands each submit to the event loop; the submits it has under way.
         self._submit_socket: FrameListener | None = None
@@ -781,8 +783,10 @@ class Controller:
         for prefill_id, batch_id in self.dispatcher.withdrawals(time.time()):
             key = (prefill_id, batch_id)
             if key not in self._withdrawing and key not in self._kept and prefill_id in self.handles:
-                self._withdrawing.add((prefill_id, batch_id))
-                asyncio.get_running_loop().create_task(self._take_back(prefill_id, batch_id))
+                self._withdrawing.add(key)
+                task = asyncio.get_running_loop().create_task(self._take_back(prefill_id, batch_id))
+                self._take_backs.add(task)
+                task.add_done_callback(self._take_backs.discard)
 
     async def _take_back(self, prefill_id: str, batch_id: int) -> None:
         """Ask a prefill worker for a queued batch back, to lend it to a decode worker that freed up; a batch it has

@@ -428,15 +428,10 @@ class Dispatcher:
             longest = head = 0
             lenders: list[WorkerLoad] = []
             if lending.enabled:
-                decoding = self._decoding()
-                may_run = [w for w in self.usable("decode") if lending.can_lend(decoding[w.worker_id], 0)]
-                lent_cores = self._lent_cores()
+                may_run = self._may_lend()
                 lenders = [
                     WorkerLoad(w.worker_id, w.free_blocks(self._reported.get(w.worker_id)), 0)
-                    for w in may_run
-                    if not w.outstanding
-                    and not self._held(w.worker_id, now)
-                    and w.worker_id not in lent_cores
+                    for w in self._free_lenders(may_run, now)
                 ]
                 # Every worker that may run prompts, busy or not: none takes the whole queue while another could
                 # share it.
@@ -493,21 +488,19 @@ class Dispatcher:
             dispatched.append(self._dispatch(plan, executor, self.decode[d.worker_id], borrowed, now))
         return dispatched
 
-    def _free_lenders(self, now: float) -> list[WorkerLedger]:
-        """The decode workers that may take a lent batch now: lending on, few enough requests decoding, no lent batch
-        of their own, not held as full, their cores not lent to a prefill worker's batch."""
-        lending = self.config.lending
-        if not lending.enabled:
-            return []
+    def _may_lend(self) -> list[WorkerLedger]:
+        """The decode workers that may run prompts: few enough requests decoding (lending on)."""
         decoding = self._decoding()
+        return [w for w in self.usable("decode") if self.config.lending.can_lend(decoding[w.worker_id], 0)]
+
+    def _free_lenders(self, may_run: list[WorkerLedger], now: float) -> list[WorkerLedger]:
+        """Of ``may_run``, those that may take a lent batch now: no lent batch of their own, not held as full, their
+        cores not lent to a prefill worker's batch."""
         lent_cores = self._lent_cores()
         return [
             w
-            for w in self.usable("decode")
-            if lending.can_lend(decoding[w.worker_id], 0)
-            and not w.outstanding
-            and not self._held(w.worker_id, now)
-            and w.worker_id not in lent_cores
+            for w in may_run
+            if not w.outstanding and not self._held(w.worker_id, now) and w.worker_id not in lent_cores
         ]
 
     def withdrawals(self, now: float) -> list[tuple[str, int]]:
@@ -516,9 +509,12 @@ class Dispatcher:
         target waiting there and would make it on a lender starting now (``withdraw_to_lend``). The caller asks
         the worker to give it up (it may have started meanwhile) and, if it does, calls :meth:`take_back`."""
         pace = self.pace.seconds_per_token
-        if not pace or not len(self.prefill):
+        # Cheap checks first: this runs after every planning round.
+        if not (pace and self.config.lending.enabled) or all(
+            len(w.outstanding) < 2 for w in self.prefill.values()
+        ):
             return []
-        lenders = len(self._free_lenders(now))
+        lenders = len(self._free_lenders(self._may_lend(), now))
         chosen: list[tuple[str, int]] = []
         for w in self.prefill.values():
             if len(chosen) >= lenders:

@@ -437,7 +437,7 @@ def test_a_queued_batch_that_makes_its_target_where_it_is_stays() -> None:
     assert d.withdrawals(0.1) == []
 
 
-def test_a_batch_that_has_left_its_queue_is_not_taken_back_twice() -> None:
+def test_a_request_aborted_while_its_batch_is_asked_back_is_not_queued_again() -> None:
     d, long_batch, queued = _short_prompt_behind_a_long_one(600.0)
     d.forget("r2")  # aborted while the prefill worker was being asked
     assert d.take_back("p0", queued.batch_id) == []

@@ -589,9 +589,11 @@ def test_a_short_prompt_queued_behind_a_long_one_is_taken_back_and_lent_when_the
         while (pace := ray.get(backend.handles.controller.state.remote())["prefill_s_per_token"]) == 0.0:
             assert time.monotonic() < deadline, "the controller never learned the prefill pace"
             time.sleep(0.05)
-        # A second on the prefill worker's one core however fast the machine (the decode worker decodes, so the
-        # long prompt borrows no core: it has no TTFT target to need one).
-        long_len = max(600, min(2000, round(1.0 / pace)))
+        # At least a second and a half on the prefill worker's one core however fast the machine (the decode worker
+        # decodes, so the long prompt borrows no core: it has no TTFT target to need one). Shorter, the lent batch,
+        # the take-back and the short prompt's own forward on the decode worker fill the long prompt's time (at
+        # 909 tokens the short one came 5 ms ahead of it; at 1.1 ms a token this is 1,500).
+        long_len = max(1500, min(2000, round(1.5 / pace)))
         decoding = make_request("decoding", 20, 300, seed=5)
         long = make_request("long", long_len, 4, seed=6)
         lent = make_request("lent", 400, 4, seed=7)

@@ -37,11 +37,12 @@ logger = logging.getLogger(__name__)
 # chunks well (measured: within 10% of the best hint from M = 1 to 512).
 PACK_HINT_M = 32
 # Up to this many rows a linear runs on the skinny kernel (when it is built), above it on oneDNN. AVX-512 (2-core
-# host): 1.03-1.26x oneDNN's speed at 64 rows over the small model's shapes, 0.97-1.17x at 96. AVX2 (2-core EPYC,
-# a 16-column panel in two 8-float registers, 3 rows a pass): 1.2-1.9x oneDNN from 1 to 8 rows over
-# [512 -> 1408], [1408 -> 512] and [512 -> 32000], 0.84-0.95x at 16, 0.5-0.7x from 32.
+# host): 1.03-1.26x oneDNN's speed at 64 rows over the small model's shapes, 0.97-1.17x at 96. AVX2 (2-core Zen 3
+# EPYC, a 16-column panel in two 8-float registers, 3 rows a pass, the accumulators in named registers), over the
+# small model's QKV, O, down and fused gate/up shapes: 1.7-2.2x oneDNN at 8 rows, 1.0-1.35x at 32, 0.9-1.4x at 64
+# (the gate/up pass, the largest, 1.28-1.42x), 0.77-1.28x at 128.
 _CPU = torch.backends.cpu.get_cpu_capability()
-SKINNY_MAX_M = 64 if _CPU == "AVX512" else 8
+SKINNY_MAX_M = 64
 SKINNY_PANEL = 16  # output columns per panel of the skinny kernel's weight layout
 
 

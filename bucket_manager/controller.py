@@ -176,10 +176,8 @@ class Controller:
         self._channels: dict[str, DispatchChannel] = {}
         self._opening: set[str] = set()
         self._channel_retry_at: dict[str, float] = {}
-        # (prefill worker id, batch id) of the batches being asked back from a prefill worker's queue to be lent, and
-        # of those it kept (started already): not asked again.
+        # (prefill worker id, batch id) of the batches being asked back from a prefill worker's queue to be lent.
         self._withdrawing: set[tuple[str, int]] = set()
-        self._kept: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         # The asks under way, held here: the event loop keeps only weak references to its tasks.
         self._take_backs: set[asyncio.Task] = set()
         # Gateways on this node submit over a socket of this controller (opened when the first one asks), whose
@@ -782,7 +780,7 @@ class Controller:
                         self._monitor.record_core_lend.remote(did)
         for prefill_id, batch_id in self.dispatcher.withdrawals(time.time()):
             key = (prefill_id, batch_id)
-            if key not in self._withdrawing and key not in self._kept and prefill_id in self.handles:
+            if key not in self._withdrawing and prefill_id in self.handles:
                 self._withdrawing.add(key)
                 task = asyncio.get_running_loop().create_task(self._take_back(prefill_id, batch_id))
                 self._take_backs.add(task)
@@ -799,9 +797,7 @@ class Controller:
         finally:
             self._withdrawing.discard((prefill_id, batch_id))
         if not given:
-            self._kept[(prefill_id, batch_id)] = None
-            if len(self._kept) > 1024:  # bounded: a batch kept is done within seconds
-                self._kept.popitem(last=False)
+            self.dispatcher.keep(prefill_id, batch_id)  # started already: not asked again
             return
         back = self.dispatcher.take_back(prefill_id, batch_id)
         logger.info(

@@ -188,7 +188,8 @@ class Dispatcher:
         self._batch_tokens: dict[int, tuple[int, float]] = {}
         # Batch id -> when it was dispatched (the planning clock), for the batches on prefill workers.
         self._dispatched_at: dict[int, float] = {}
-        # Requests taken back from a prefill worker's queue once (:meth:`withdrawals`): never a second time.
+        # Requests taken back from a prefill worker's queue once, or whose batch its worker kept (:meth:`withdrawals`):
+        # never asked back again.
         self._withdrawn: set[str] = set()
         self.withdrawn_batches = 0
 
@@ -562,6 +563,12 @@ class Dispatcher:
                 back.append(rid)
         self.withdrawn_batches += bool(rids)
         return back
+
+    def keep(self, prefill_id: str, batch_id: int) -> None:
+        """The prefill worker kept a batch asked back (it had started): its requests are not asked back again."""
+        w = self.prefill.get(prefill_id)
+        if w is not None:
+            self._withdrawn.update(w.outstanding.get(batch_id, ()))
 
     def _lent_cores(self) -> dict[str, tuple[str, int]]:
         """Decode worker id -> (prefill worker id, batch id) running on its cores; an entry ends with its batch

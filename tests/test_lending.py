@@ -442,3 +442,10 @@ def test_a_request_aborted_while_its_batch_is_asked_back_is_not_queued_again() -
     d.forget("r2")  # aborted while the prefill worker was being asked
     assert d.take_back("p0", queued.batch_id) == []
     assert list(d.prefill["p0"].outstanding) == [long_batch.batch_id] and "r2" not in d.queue
+
+
+def test_a_batch_its_worker_kept_is_not_asked_back_again() -> None:
+    d, _, queued = _short_prompt_behind_a_long_one(600.0)
+    assert d.withdrawals(0.1) == [("p0", queued.batch_id)]
+    d.keep("p0", queued.batch_id)  # the prefill worker had started it
+    assert d.withdrawals(0.11) == []

@@ -154,7 +154,7 @@ inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restr
   static_assert(!kGated || NP == 2, "a gated pass holds one gate and one up panel");
   const int64_t width0 = std::clamp<int64_t>(cols, 0, kPanel), width1 = std::clamp<int64_t>(cols - kPanel, 0, kPanel);
   alignas(32) float b0[kPanel] = {}, b1[kPanel] = {};
-  if (bias) {
+  if (bias && !acc_in) {
     std::memcpy(b0, bias, sizeof(float) * width0);
     if (NP == 2) std::memcpy(b1, bias + kPanel, sizeof(float) * width1);
   }

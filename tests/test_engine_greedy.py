@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from engine_helpers import random_prompts, small_config
 
+from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.request import Request, SamplingParams
 
@@ -58,6 +59,32 @@ def test_greedy_matches_hf_with_continuous_batching(engine: LLMEngine, hf_refere
         # Flat steps have no shape to miss; the long prompt went in chunks of the token budget.
         assert engine.runner.runtime_compilations == 0
         assert largest_query + 44 > engine.config.scheduler.max_num_batched_tokens
+    engine.check_integrity()
+    assert engine.allocator.num_used == 0
+
+
+def test_long_contexts_decoded_in_parts_match_hf(hf_reference) -> None:
+    """Decodes from 1,024 context slots on read their keys in parts (CPU kernel), merged afterwards; prompts just
+    below, at and past that length decode across it, next to a short one, and stay token-exact."""
+    engine = LLMEngine(
+        small_config(
+            cache=CacheConfig(block_size=64, num_blocks=96),
+            scheduler=SchedulerConfig(
+                max_model_len=2048, max_num_seqs=4, max_num_prefill_seqs=4, max_num_batched_tokens=2048
+            ),
+        )
+    )
+    prompts = random_prompts([1010, 1024, 1530, 40], seed=3)
+    reqs = [
+        Request(f"long{i}", p, SamplingParams(max_tokens=24, ignore_eos=True)) for i, p in enumerate(prompts)
+    ]
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        engine.step()
+    for r in reqs:
+        expected = hf_reference(engine.loaded.path).greedy(r.prompt_token_ids, 24, ignore_eos=True)
+        assert r.output_token_ids == expected, f"{r.request_id} (prompt {r.num_prompt_tokens} tokens) differs"
     engine.check_integrity()
     assert engine.allocator.num_used == 0
 

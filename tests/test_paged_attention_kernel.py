@@ -236,13 +236,49 @@ def test_kernel_same_result_on_one_thread(kernel) -> None:
     """Work items are split between threads, never the arithmetic of one: any thread count, same bits."""
     c = make_case(KINDS["mixed"], 2, 16, torch.float32, seed=8)
     many = _run(kernel, c)
+    torch.testing.assert_close(_run_on_one_thread(kernel, c), many, atol=0, rtol=0)
+
+
+def _run_on_one_thread(kernel, c: Case) -> torch.Tensor:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        one = _run(kernel, c)
+        return _run(kernel, c)
     finally:
         torch.set_num_threads(threads)
-    torch.testing.assert_close(one, many, atol=0, rtol=0)
+
+
+# Decodes of 1024 slots or more have their keys split in parts of at least 512 (whole 128-slot chunks), each part
+# an item of its own, merged afterwards: lengths at, just past and between the part boundaries, and one short
+# decode and a prefill beside them.
+LONG_DECODES = [(1, 2000), (1, 1024), (1, 1025), (1, 1537), (1, 3000), (1, 600), (37, 300)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kvh", [8, 4, 1])  # 1, 2 and 8 query heads per KV head (8: the tiled path)
+@pytest.mark.parametrize("bs", [16, 64])
+def test_kernel_long_decodes_in_parts_match_dense(kernel, bs: int, kvh: int, dtype: torch.dtype) -> None:
+    _check(kernel, make_case(LONG_DECODES, kvh, bs, dtype, seed=bs + kvh))
+
+
+def test_kernel_decode_gets_the_same_bits_alone_in_a_batch_and_on_one_thread(kernel) -> None:
+    """A sequence's parts depend on its own length only: the same bits whatever else the call holds (here, alone
+    or among seven others) and whatever the thread count."""
+    c = make_case([(1, 2000)] + [(1, 700 + 300 * i) for i in range(7)], 4, 64, torch.float32, seed=12)
+    batch = _run(kernel, c)
+    alone = torch.full_like(c.q[:1], float("nan"))
+    kernel(
+        alone,
+        c.q[:1],
+        c.k_cache,
+        c.v_cache,
+        c.block_table[:1],
+        c.seq_lens[:1],
+        c.query_start_loc[:2],
+        c.scale,
+    )
+    torch.testing.assert_close(alone, batch[:1], atol=0, rtol=0)
+    torch.testing.assert_close(_run_on_one_thread(kernel, c), batch, atol=0, rtol=0)
 
 
 def test_kernel_rejects_bad_metadata(kernel) -> None:

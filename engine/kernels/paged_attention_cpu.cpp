@@ -10,7 +10,9 @@
 //
 // Design (2-core AVX-512 host, memory-bound decode, compute-bound prefill):
 // - Work item = (sequence, KV heads, tile of queries). All G = H / KVH query heads of a KV head and all
-//   queries of the tile are the rows of one small matrix, so every K/V row is read once per tile.
+//   queries of the tile are the rows of one small matrix, so every K/V row is read once per tile. A decode of
+//   1024 context slots or more also splits its keys in parts of 512 or more, an item each, whose unnormalised
+//   results are merged at the end (flash-decoding), so one or two long decodes still keep every thread reading.
 // - K/V rows are read in place through the block table (no gather copy); keys go in chunks of >= 128
 //   slots with an online softmax (running max, sum and accumulator per row).
 // - Few rows (decodes, short chunks: memory-bound): an item takes several KV heads and walks each chunk
@@ -29,7 +31,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <memory>
 #include <vector>
@@ -43,6 +47,7 @@ using namespace bucketserve_kernels;
 constexpr int64_t kTileRows = 128;  // rows (queries x heads) per prefill tile: K/V reuse per read
 constexpr int64_t kGemmRowsMin = 8;  // from this many rows per KV head, the GEMM path
 constexpr int64_t kChunkSlots = 128;
+constexpr int64_t kPartSlots = 512;  // a long decode's keys go in parts of this many slots or more (decode_split)
 
 struct Geometry {
   int64_t H, KVH, G, D, BS, NB, W;
@@ -55,7 +60,20 @@ struct WorkItem {
   int64_t seq;
   int64_t head_begin, head_end;  // KV heads [head_begin, head_end)
   int64_t q_begin, q_end;  // query tokens [q_begin, q_end) of the sequence
+  int64_t kv_begin, kv_end;  // key positions [kv_begin, kv_end): the whole causal context, or a decode's part of it
+  int64_t part;  // -1: the item writes the output; else where it leaves its unnormalised part (Partials)
   int64_t cost;
+};
+
+// The parts of decodes whose keys were split between items: per part and query head, the running max, the sum
+// of exponentials and the unnormalised accumulator [D], merged into the output once every part is done.
+struct Partials {
+  std::vector<float> m, l, acc;
+  int64_t H = 0, D = 0;
+  void resize(int64_t parts, int64_t heads, int64_t dim) {
+    H = heads, D = dim;
+    m.resize(parts * H), l.resize(parts * H), acc.resize(parts * H * D);
+  }
 };
 
 // Keys are processed in chunks of whole blocks, at least kChunkSlots of them: with 16-slot blocks a
@@ -131,6 +149,7 @@ struct Item {
   int64_t ctx_start;  // position of the sequence's first query token
   int64_t q_token0;  // flat index of the sequence's first query token
   Scratch& sc;
+  Partials& parts;
 
   int64_t heads() const { return w.head_end - w.head_begin; }
   int64_t rows() const { return (w.q_end - w.q_begin) * g.G; }  // per KV head: query r / G, head kv * G + r % G
@@ -151,6 +170,16 @@ struct Item {
 
   void finish() {
     const int64_t M = rows(), D = g.D;
+    if (w.part >= 0) {  // one token's part of the keys: kept unnormalised for the merge
+      for (int64_t hh = 0; hh < heads(); ++hh)
+        for (int64_t r = 0; r < M; ++r) {
+          const int64_t at = w.part * parts.H + head(hh, r);
+          parts.m[at] = sc.m[hh * M + r];
+          parts.l[at] = sc.l[hh * M + r];
+          std::copy_n(sc.acc.get() + (hh * M + r) * D, D, parts.acc.data() + at * D);
+        }
+      return;
+    }
     for (int64_t hh = 0; hh < heads(); ++hh)
       for (int64_t r = 0; r < M; ++r) {
         QT* o = out + token(r) * g.o_t + head(hh, r) * g.o_h;
@@ -203,12 +232,12 @@ struct Item {
   void run_streaming() {
     const int64_t M = rows(), nh = heads(), D = g.D;
     const int64_t ch = chunk_slots(g.BS), np = round_up(ch, VS);
-    const int64_t kv_end = ctx_start + w.q_end;
+    const int64_t kv_end = w.kv_end;
     float* S = sc.s.get();  // [heads][rows][np]
     const float* kr[4];
     const float* vr[4];
     float dots[4];
-    for (int64_t p0 = 0; p0 < kv_end; p0 += ch) {
+    for (int64_t p0 = w.kv_begin; p0 < kv_end; p0 += ch) {
       const int64_t n = std::min(ch, kv_end - p0);
       locate(p0, n);
       // Slots go 4 at a time: one horizontal sum per 4 dots, one accumulator load/store per 4 FMAs.
@@ -273,9 +302,9 @@ struct Item {
   void run_streaming_fixed() {
     const int64_t nh = heads(), D = g.D;
     const int64_t ch = chunk_slots(g.BS), np = round_up(ch, VS);
-    const int64_t kv_end = ctx_start + w.q_end;
+    const int64_t kv_end = w.kv_end;
     float* S = sc.s.get();  // [heads][M][np]; the K pass writes slots [0, n), the softmax masks the rest
-    for (int64_t p0 = 0; p0 < kv_end; p0 += ch) {
+    for (int64_t p0 = w.kv_begin; p0 < kv_end; p0 += ch) {
       const int64_t n = std::min(ch, kv_end - p0);
       locate(p0, n);
       const int64_t quarter = (n + 3) / 4;
@@ -391,7 +420,7 @@ struct Item {
   void run_tiled() {
     const int64_t M = rows(), D = g.D, ld = sc.ldq;
     const int64_t ch = chunk_slots(g.BS);
-    const int64_t kv_end = ctx_start + w.q_end;
+    const int64_t kv_end = w.kv_end;
     float* St = sc.s.get();  // [n][ld]
     for (int64_t hh = 0; hh < heads(); ++hh) {
       const int64_t h = w.head_begin + hh;
@@ -399,7 +428,7 @@ struct Item {
       for (int64_t r = 0; r < M; ++r)
         for (int64_t d = 0; d < D; ++d) sc.qt[d * ld + r] = qh[r * D + d];
       float* acc = sc.acc.get() + hh * M * D;
-      for (int64_t p0 = 0; p0 < kv_end; p0 += ch) {
+      for (int64_t p0 = w.kv_begin; p0 < kv_end; p0 += ch) {
         const int64_t n = std::min(ch, kv_end - p0);
         locate(p0, n);
         for (int64_t s = 0; s < n; ++s) {
@@ -423,35 +452,102 @@ struct Item {
   }
 };
 
+// How many parts a decode's keys go in: one per kPartSlots slots (rounded down), each a whole number of chunks;
+// each part is an item of its own, and the parts' unnormalised results are merged (merge_parts). The split
+// depends on the context's length alone, so a sequence gets the same bits in any batch and on any number of
+// threads. Why: a decode reads each cached row once, and one or two sequences made too few items, or items of a
+// few heads each, to keep both cores streaming. `small` decode steps, 2-core AMD EPYC (Zen 4), parts of 512
+// against none, alternating in one process: context 2000, batch 1 / 2 4.94 / 6.62 ms against 5.88 / 8.43, batch
+// 4-32 level (within 3%); context 512, batch 1 / 2 4.25 / 4.31 against 4.37 / 4.90 (from the heads rule below);
+// parts of 256 were no faster and cost 3% at batch 32.
+struct Split {
+  int64_t parts, len;  // parts of len slots each (the last one shorter)
+};
+inline Split decode_split(int64_t seq_len, int64_t ch) {
+  const int64_t want = std::max<int64_t>(1, seq_len / round_up(kPartSlots, ch));
+  if (want == 1) return {1, seq_len};
+  // Whole chunks a part: the last part may be shorter, and one fewer part may then cover the keys.
+  const int64_t len = round_up((seq_len + want - 1) / want, ch);
+  return {(seq_len + len - 1) / len, len};
+}
+
+// The merge of a decode's parts: per query head, the parts' sums and accumulators rescaled to their common max.
+template <typename QT>
+void merge_parts(QT* out, const Geometry& g, int64_t token, const Partials& pt, int64_t first, int64_t n) {
+  const int64_t H = pt.H, D = pt.D;
+  std::vector<float> acc(D), w(n);
+  for (int64_t h = 0; h < H; ++h) {
+    float mx = kNegInf;
+    for (int64_t p = 0; p < n; ++p) mx = std::max(mx, pt.m[(first + p) * H + h]);
+    float den = 0.f;
+    for (int64_t p = 0; p < n; ++p) {
+      const float m = pt.m[(first + p) * H + h];
+      w[p] = m == kNegInf ? 0.f : std::exp(m - mx);
+      den += w[p] * pt.l[(first + p) * H + h];
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t p = 0; p < n; ++p) {
+      const float* a = pt.acc.data() + ((first + p) * H + h) * D;
+      for (int64_t d = 0; d < D; ++d) acc[d] += w[p] * a[d];
+    }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    QT* o = out + token * g.o_t + h * g.o_h;
+    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<QT>(acc[d] * inv);
+  }
+}
+
 template <typename QT, typename KT>
 void run_all(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
              const int32_t* table, const int32_t* seq_lens, const int32_t* qsl, int64_t B, const Geometry& g) {
   // Query tile: enough queries that a tile has about kTileRows rows per KV head; a decode is one tile.
   const int64_t tile_q = std::max<int64_t>(1, kTileRows / g.G);
   const int64_t threads = at::get_num_threads();
-  // Memory-bound items (few rows: decodes, short chunks) take several KV heads, so they stream whole
-  // contiguous token rows of the cache; halve the group while that leaves threads without work.
+  const int64_t ch = chunk_slots(g.BS);
+  // Memory-bound items (few rows: decodes, short chunks) take all the KV heads, so they stream whole contiguous
+  // token rows of the cache; a decode's keys go in parts (decode_split). Only while that leaves a thread without
+  // work, the heads are halved: items of half rows read at a 1 KiB stride (in `small`), which the prefetchers
+  // follow worse (2 sequences at context 2048, 8 layers, 2-core Zen 4: 4.0 ms in four half-row items against
+  // 1.75-2.45 ms in two whole-row ones).
   int64_t small = 0, large = 0;
   for (int64_t i = 0; i < B; ++i) {
     const int64_t ql = qsl[i + 1] - qsl[i];
-    if (ql > 0 && ql * g.G < kGemmRowsMin) ++small;
-    else large += (ql + tile_q - 1) / tile_q * g.KVH;
+    const int64_t parts = ql == 1 ? decode_split(seq_lens[i], ch).parts : 1;
+    if (ql > 0 && ql * g.G < kGemmRowsMin) small += parts;
+    else large += (ql == 1 ? parts : (ql + tile_q - 1) / tile_q) * g.KVH;
   }
   int64_t group = g.KVH;
-  while (group % 2 == 0 && small * (g.KVH / group) + large < 2 * threads) group /= 2;
+  while (group % 2 == 0 && small * (g.KVH / group) + large < threads) group /= 2;
   std::vector<WorkItem> items;
+  std::vector<std::array<int64_t, 3>> merges;  // (sequence, first part, parts) of each decode split in parts
+  int64_t n_parts = 0;
   int64_t max_rows = 1;
   for (int64_t i = 0; i < B; ++i) {
     const int64_t ql = qsl[i + 1] - qsl[i], ctx_start = seq_lens[i] - ql;
     const int64_t heads = ql * g.G < kGemmRowsMin ? group : 1;
+    const Split split = ql == 1 ? decode_split(seq_lens[i], ch) : Split{1, 0};
+    const int64_t parts = split.parts, len = split.len;
+    if (parts > 1) {
+      max_rows = std::max(max_rows, heads * g.G);
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t k0 = p * len, k1 = std::min<int64_t>(seq_lens[i], k0 + len);
+        const int64_t cost = heads * (g.G + 8) * (k1 - k0);
+        for (int64_t h = 0; h < g.KVH; h += heads) items.push_back({i, h, h + heads, 0, 1, k0, k1, n_parts + p, cost});
+      }
+      merges.push_back({i, n_parts, parts});
+      n_parts += parts;
+      continue;
+    }
     for (int64_t j0 = 0; j0 < ql; j0 += tile_q) {
       const int64_t j1 = std::min(ql, j0 + tile_q);
       const int64_t cost = heads * ((j1 - j0) * g.G * (ctx_start + j1) + 8 * (ctx_start + j1));
       max_rows = std::max(max_rows, heads * (j1 - j0) * g.G);
-      for (int64_t h = 0; h < g.KVH; h += heads) items.push_back({i, h, h + heads, j0, j1, cost});
+      for (int64_t h = 0; h < g.KVH; h += heads)
+        items.push_back({i, h, h + heads, j0, j1, 0, ctx_start + j1, -1, cost});
     }
   }
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  Partials parts;
+  parts.resize(n_parts, g.H, g.D);
   const QT* qp = q.const_data_ptr<QT>();
   QT* op = out.data_ptr<QT>();
   const KT* kp = k_cache.const_data_ptr<KT>();
@@ -464,7 +560,7 @@ void run_all(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
     for (int64_t k = next.fetch_add(1); k < n_items; k = next.fetch_add(1)) {
       const WorkItem& w = items[k];
       const int64_t ql = qsl[w.seq + 1] - qsl[w.seq];
-      Item<QT, KT> it{g, w, qp, op, kp, vp, table + w.seq * g.W, seq_lens[w.seq] - ql, qsl[w.seq], sc};
+      Item<QT, KT> it{g, w, qp, op, kp, vp, table + w.seq * g.W, seq_lens[w.seq] - ql, qsl[w.seq], sc, parts};
       it.begin();
       if (it.rows() < kGemmRowsMin)
         it.run_streaming_any();
@@ -472,6 +568,9 @@ void run_all(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
         it.run_tiled();
       it.finish();
     }
+  });
+  at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) merge_parts(op, g, qsl[merges[m][0]], parts, merges[m][1], merges[m][2]);
   });
 }
 

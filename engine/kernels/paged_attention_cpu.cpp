@@ -472,10 +472,12 @@ inline Split decode_split(int64_t seq_len, int64_t ch) {
 }
 
 // The merge of a decode's parts: per query head, the parts' sums and accumulators rescaled to their common max.
+// ``acc`` [D] and ``w`` [n] are the caller's scratch.
 template <typename QT>
-void merge_parts(QT* out, const Geometry& g, int64_t token, const Partials& pt, int64_t first, int64_t n) {
+void merge_parts(QT* out, const Geometry& g, int64_t token, const Partials& pt, int64_t first, int64_t n,
+                 std::vector<float>& acc, std::vector<float>& w) {
   const int64_t H = pt.H, D = pt.D;
-  std::vector<float> acc(D), w(n);
+  acc.resize(D), w.resize(n);
   for (int64_t h = 0; h < H; ++h) {
     float mx = kNegInf;
     for (int64_t p = 0; p < n; ++p) mx = std::max(mx, pt.m[(first + p) * H + h]);
@@ -508,10 +510,12 @@ void run_all(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
   // work, the heads are halved: items of half rows read at a 1 KiB stride (in `small`), which the prefetchers
   // follow worse (2 sequences at context 2048, 8 layers, 2-core Zen 4: 4.0 ms in four half-row items against
   // 1.75-2.45 ms in two whole-row ones).
+  std::vector<Split> splits(B);  // each decode's parts (one for every other sequence)
   int64_t small = 0, large = 0;
   for (int64_t i = 0; i < B; ++i) {
     const int64_t ql = qsl[i + 1] - qsl[i];
-    const int64_t parts = ql == 1 ? decode_split(seq_lens[i], ch).parts : 1;
+    splits[i] = ql == 1 ? decode_split(seq_lens[i], ch) : Split{1, 0};
+    const int64_t parts = splits[i].parts;
     if (ql > 0 && ql * g.G < kGemmRowsMin) small += parts;
     else large += (ql == 1 ? parts : (ql + tile_q - 1) / tile_q) * g.KVH;
   }
@@ -524,8 +528,7 @@ void run_all(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
   for (int64_t i = 0; i < B; ++i) {
     const int64_t ql = qsl[i + 1] - qsl[i], ctx_start = seq_lens[i] - ql;
     const int64_t heads = ql * g.G < kGemmRowsMin ? group : 1;
-    const Split split = ql == 1 ? decode_split(seq_lens[i], ch) : Split{1, 0};
-    const int64_t parts = split.parts, len = split.len;
+    const int64_t parts = splits[i].parts, len = splits[i].len;
     if (parts > 1) {
       max_rows = std::max(max_rows, heads * g.G);
       for (int64_t p = 0; p < parts; ++p) {
@@ -570,7 +573,9 @@ void run_all(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
     }
   });
   at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) merge_parts(op, g, qsl[merges[m][0]], parts, merges[m][1], merges[m][2]);
+    std::vector<float> acc, w;
+    for (int64_t m = m0; m < m1; ++m)
+      merge_parts(op, g, qsl[merges[m][0]], parts, merges[m][1], merges[m][2], acc, w);
   });
 }
 

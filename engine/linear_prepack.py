@@ -173,9 +173,8 @@ def prepack_linears(model: torch.nn.Module) -> int:
     panels = ops is not None and _wants_panels(linears[0].weight.dtype)
     for module in linears:
         prepack_linear(module, panels)
-    logger.info(
-        "prepacked %d linear layers for oneDNN%s",
-        len(linears),
-        f", and for the skinny kernel up to {SKINNY_MAX_M} rows" if panels else "",
-    )
+    skinny = f", and for the skinny kernel up to {SKINNY_MAX_M} rows" if panels else ""
+    if panels and linears[0].weight.dtype == torch.float32:
+        skinny += f" (fp32 weights prefetched in software: {ops.prefetches_fp32_weights()})"
+    logger.info("prepacked %d linear layers for oneDNN%s", len(linears), skinny)
     return len(linears)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,3 +163,22 @@ def test_bf16_linears_are_prepacked_only_where_onednn_has_a_bf16_path() -> None:
     assert can_prepack(cpu, torch.float32)
     assert can_prepack(cpu, torch.bfloat16) == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     assert not can_prepack(torch.device("meta"), torch.float32)
+
+
+def test_fp32_weights_are_prefetched_in_software_except_on_amd_avx512_cpus(skinny) -> None:
+    # Measured per vendor (engine/kernels/skinny_linear_cpu.cpp, panel_rows): the AVX-512 pass prefetches fp32 weights
+    # on Intel CPUs and leaves them to AMD's hardware prefetchers; AVX2 passes always prefetch, the portable one never.
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to read the CPU's vendor from")
+    vendor = next(
+        (
+            line.split(":")[1].strip()
+            for line in cpuinfo.read_text().splitlines()
+            if line.startswith("vendor_id")
+        ),
+        "",
+    )
+    cap = torch.backends.cpu.get_cpu_capability()
+    want = {"AVX512": vendor != "AuthenticAMD", "AVX2": True}.get(cap, False)
+    assert torch.ops.bucketserve_cpu.prefetches_fp32_weights() is want, (vendor, cap)

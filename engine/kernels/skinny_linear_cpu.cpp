@@ -12,8 +12,9 @@
 // lines. A pass takes two adjacent panels and up to 12 rows: per k, two lines of W are loaded and each
 // x[m][k] is broadcast once into two FMAs, 24 accumulators in registers. More rows make more passes over the
 // same two panels (64 KB at K = 512), which then come from L1/L2, not from memory. Threads take contiguous
-// runs of panel pairs, so each streams its own part of the weight once. Software prefetch runs 8 KB ahead on AVX2
-// and for bf16 weights; fp32 weights on AVX-512 are left to the hardware prefetchers (see panel_rows).
+// runs of panel pairs, so each streams its own part of the weight once. Software prefetch runs 8 KB ahead on AVX2,
+// for bf16 weights, and for fp32 weights on AVX-512 except on AMD CPUs, whose hardware prefetchers do better alone
+// (see panel_rows; chosen once per process, cpu_wants_fp32_prefetch).
 //
 // Measured on a 2-core AVX-512 host, 2 threads, fp32, weights well beyond the caches (GB/s of weights read,
 // this kernel / oneDNN with a prepacked weight): [512 -> 1408] 30.5 / 24.5 at M = 1, 25.0 / 17.6 at M = 8,
@@ -38,6 +39,9 @@
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #endif
 
 namespace {
@@ -66,14 +70,16 @@ inline __m512 load_w<bf16_bits>(const bf16_bits* p) {
 // Two panels per pass let one broadcast of x[m][k] feed two FMAs, so from ~10 rows on the FMA units, not
 // the load ports, set the pace.
 //
-// Software prefetch (8 KB ahead) only for bf16 weights. `small` decode steps on a 2-core AMD EPYC (Zen 4), with and
-// without it, switching every few steps in one process: fp32 batch 1 / 8 / 32 0.94-0.96 / 0.94-1.01 / 0.93-1.02
-// of the time with it (six runs; batch 64 level), bf16 0.96-0.99 / 1.06-1.07 / 1.00-1.01 (two runs). Its effect on Intel
-// hosts, where it was first written, was not measured apart.
-template <int MR, int NP, bool kGated, typename WT>
+// Software prefetch (kPrefetch: 8 KB ahead) pays on one vendor and costs on the other. `small` decode steps,
+// with and without it, switching every few steps in one process:
+//   2-core AMD EPYC (Zen 4): fp32 batch 1 / 8 / 32 0.94-0.96 / 0.94-1.01 / 0.93-1.02 of the time with it (six runs;
+//   batch 64 level), bf16 0.96-0.99 / 1.06-1.07 / 1.00-1.01 (two runs);
+//   2-core Intel Xeon (Sapphire Rapids class, AMX, 480 MiB L3): fp32 batch 1 / 8 / 16 / 32 / 64 1.11-1.12 /
+//   1.15-1.20 / 1.12 / 1.06-1.08 / 1.04 of the time with it (two runs; 4 KB or 2 KB ahead did no better, 16 KB worse).
+// So bf16 weights are always prefetched, fp32 ones everywhere but on AMD (run_pairs picks once per process).
+template <int MR, int NP, bool kGated, typename WT, bool kPrefetch>
 inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restrict w, int64_t K,
                        const float* bias, float* __restrict y, int64_t ldy, int64_t cols) {
-  constexpr bool kPrefetch = !std::is_same_v<WT, float>;
   // Prefetch about 8 KB ahead whatever the weight's width.
   constexpr int64_t ahead = kPrefetchLines * static_cast<int64_t>(sizeof(float) / sizeof(WT));
   static_assert(!kGated || NP == 2, "a gated pass holds one gate and one up panel");
@@ -256,17 +262,29 @@ inline void panel_rows(const float* x, int64_t ldx, const WT* w, int64_t K, cons
 }
 #endif
 
+// One pass of MR rows; kPf (software prefetch of the weights) is a choice of the AVX-512 pass only: AVX2 passes
+// always prefetch (measured with it on Zen 3), the portable one never.
+template <int MR, int NP, bool kGated, typename WT, bool kPf>
+inline void pass_of(const float* x, int64_t ldx, const WT* w, int64_t K, const float* bias, float* y, int64_t ldy,
+                    int64_t cols) {
+#if defined(__AVX512F__)
+  panel_rows<MR, NP, kGated, WT, kPf>(x, ldx, w, K, bias, y, ldy, cols);
+#else
+  panel_rows<MR, NP, kGated, WT>(x, ldx, w, K, bias, y, ldy, cols);
+#endif
+}
+
 #if defined(__AVX512F__) || !(defined(__AVX2__) && defined(__FMA__))
 constexpr int kRowBlock = 12;  // rows per pass: 12 x 2 panels = 24 accumulators of AVX-512's 32 registers
 #else
 constexpr int kRowBlock = 3;  // rows per pass: 3 x 2 panels x 2 halves = 12 accumulators of AVX2's 16 registers
 #endif
 
-template <int NP, int MR, bool kGated, typename WT>
+template <int NP, int MR, bool kGated, typename WT, bool kPf>
 inline void rows_tail(const float* x, int64_t K, const WT* w, const float* bias, float* y, int64_t N,
                       int64_t cols) {
   // Only remainders below a full pass ever run (and only those are instantiated).
-  if constexpr (MR > 0 && MR < kRowBlock) panel_rows<MR, NP, kGated, WT>(x, K, w, K, bias, y, N, cols);
+  if constexpr (MR > 0 && MR < kRowBlock) pass_of<MR, NP, kGated, WT, kPf>(x, K, w, K, bias, y, N, cols);
 }
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -310,7 +328,7 @@ inline void panels_k_blocked(const float* x, int64_t M, int64_t K, const WT* w, 
 #endif
 
 // Rows [0, M) of NP adjacent panels, kRowBlock at a time, then the remainder.
-template <int NP, bool kGated, typename WT>
+template <int NP, bool kGated, typename WT, bool kPf>
 inline void panels_all_rows(const float* x, int64_t M, int64_t K, const WT* w, const float* bias, float* y,
                             int64_t N, int64_t cols) {
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -321,21 +339,21 @@ inline void panels_all_rows(const float* x, int64_t M, int64_t K, const WT* w, c
 #endif
   int64_t m = 0;
   for (; m + kRowBlock <= M; m += kRowBlock)
-    panel_rows<kRowBlock, NP, kGated, WT>(x + m * K, K, w, K, bias, y + m * N, N, cols);
+    pass_of<kRowBlock, NP, kGated, WT, kPf>(x + m * K, K, w, K, bias, y + m * N, N, cols);
   const float* xm = x + m * K;
   float* ym = y + m * N;
   switch (M - m) {
-    case 11: rows_tail<NP, 11, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
-    case 10: rows_tail<NP, 10, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
-    case 9: rows_tail<NP, 9, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
-    case 8: rows_tail<NP, 8, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
-    case 7: rows_tail<NP, 7, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
-    case 6: rows_tail<NP, 6, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
-    case 5: rows_tail<NP, 5, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
-    case 4: rows_tail<NP, 4, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
-    case 3: rows_tail<NP, 3, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
-    case 2: rows_tail<NP, 2, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
-    case 1: rows_tail<NP, 1, kGated, WT>(xm, K, w, bias, ym, N, cols); break;
+    case 11: rows_tail<NP, 11, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
+    case 10: rows_tail<NP, 10, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
+    case 9: rows_tail<NP, 9, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
+    case 8: rows_tail<NP, 8, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
+    case 7: rows_tail<NP, 7, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
+    case 6: rows_tail<NP, 6, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
+    case 5: rows_tail<NP, 5, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
+    case 4: rows_tail<NP, 4, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
+    case 3: rows_tail<NP, 3, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
+    case 2: rows_tail<NP, 2, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
+    case 1: rows_tail<NP, 1, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
     default: break;
   }
 }
@@ -360,7 +378,7 @@ Args check(const char* op, const at::Tensor& x_in, const at::Tensor& panels) {
   return {x, x.size(0), x.size(1), panels.size(0), wt == at::kBFloat16};
 }
 
-template <bool kGated, typename WT>
+template <bool kGated, typename WT, bool kPf>
 void run_pairs(const Args& a, const WT* wp, const float* bp, float* yp, int64_t n) {
   // Threads take contiguous runs of panel pairs; an odd last panel goes alone (never in a gated call).
   const int64_t pairs = (a.NP + 1) / 2;
@@ -371,11 +389,44 @@ void run_pairs(const Args& a, const WT* wp, const float* bp, float* yp, int64_t 
       const WT* w = wp + p * a.K * kPanel;
       const float* b = bp ? bp + c0 : nullptr;
       if (p + 1 < a.NP)
-        panels_all_rows<2, kGated, WT>(xp, a.M, a.K, w, b, yp + c0, n, n - c0);
+        panels_all_rows<2, kGated, WT, kPf>(xp, a.M, a.K, w, b, yp + c0, n, n - c0);
       else if constexpr (!kGated)
-        panels_all_rows<1, false, WT>(xp, a.M, a.K, w, b, yp + c0, n, n - c0);
+        panels_all_rows<1, false, WT, kPf>(xp, a.M, a.K, w, b, yp + c0, n, n - c0);
     }
   });
+}
+
+#if defined(__AVX512F__)
+// Whether the AVX-512 pass prefetches fp32 weights itself: everywhere but on AMD CPUs (measured in panel_rows).
+// Read once from the CPU's vendor string.
+bool cpu_wants_fp32_prefetch() {
+  static const bool on = [] {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return true;
+    char vendor[13] = {};
+    std::memcpy(vendor, &ebx, 4);
+    std::memcpy(vendor + 4, &edx, 4);
+    std::memcpy(vendor + 8, &ecx, 4);
+    return std::strcmp(vendor, "AuthenticAMD") != 0;
+#else
+    return false;
+#endif
+  }();
+  return on;
+}
+#endif
+
+// What this build does with fp32 weights: the AVX-512 pass as chosen above, the AVX2 pass always prefetches, the
+// portable one never.
+bool prefetches_fp32_weights() {
+#if defined(__AVX512F__)
+  return cpu_wants_fp32_prefetch();
+#elif defined(__AVX2__) && defined(__FMA__)
+  return true;
+#else
+  return false;
+#endif
 }
 
 template <bool kGated>
@@ -383,10 +434,12 @@ at::Tensor run(const Args& a, const at::Tensor& x_in, const at::Tensor& panels, 
   at::Tensor y = at::empty({a.M, n}, a.x.options());
   if (a.M > 0) {
     if (a.bf16)
-      run_pairs<kGated>(a, reinterpret_cast<const bf16_bits*>(panels.const_data_ptr<at::BFloat16>()), bp,
+      run_pairs<kGated, bf16_bits, true>(a, reinterpret_cast<const bf16_bits*>(panels.const_data_ptr<at::BFloat16>()), bp,
                         y.data_ptr<float>(), n);
+    else if (prefetches_fp32_weights())
+      run_pairs<kGated, float, true>(a, panels.const_data_ptr<float>(), bp, y.data_ptr<float>(), n);
     else
-      run_pairs<kGated>(a, panels.const_data_ptr<float>(), bp, y.data_ptr<float>(), n);
+      run_pairs<kGated, float, false>(a, panels.const_data_ptr<float>(), bp, y.data_ptr<float>(), n);
   }
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
@@ -483,6 +536,7 @@ TORCH_LIBRARY_FRAGMENT(bucketserve_cpu, m) {
   m.def("skinny_silu_mul(Tensor x, Tensor panels, int n) -> Tensor");
   m.def("remember_packed(int index, Tensor packed) -> ()");
   m.def("forget_packed(int index) -> ()");
+  m.def("prefetches_fp32_weights() -> bool");
   m.def("packed_linear(Tensor x, Tensor? panels, Tensor? bias, int n, int index, int max_rows) -> Tensor");
   m.def("gated_linear(Tensor x, Tensor panels, int n, int gate_index, int up_index, int max_rows) -> Tensor");
 }
@@ -498,4 +552,5 @@ TORCH_LIBRARY_IMPL(bucketserve_cpu, CPU, m) {
 TORCH_LIBRARY_IMPL(bucketserve_cpu, CatchAll, m) {
   m.impl("remember_packed", &remember_packed);
   m.impl("forget_packed", &forget_packed);
+  m.impl("prefetches_fp32_weights", &prefetches_fp32_weights);
 }

@@ -28,7 +28,7 @@ import torch
 
 from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION, attend_rotated
 from engine.forward_context import AttendFn, ForwardContext, current_context, forward_context
-from engine.linear_prepack import SKINNY_MAX_M, prepack_linear, unpack_linear
+from engine.linear_prepack import prepack_linear, skinny_max_rows, unpack_linear
 from engine.swapped_forward import runs_forward
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ def _agrees(module: torch.nn.Module, attend: AttendFn, gen: torch.Generator) -> 
     q = module.q_proj
     dtype, d = q.weight.dtype, module.head_dim
     rtol, atol = _PROBE_TOLERANCE[dtype]
-    for tokens in (3, SKINNY_MAX_M + 1):
+    for tokens in (3, skinny_max_rows(dtype) + 1):
         x = torch.randn(1, tokens, q.in_features, generator=gen).to(dtype)
         rope = probe_rope(tokens, d, gen, dtype)
         results = []

@@ -1,7 +1,7 @@
 """Gated MLPs (``down(silu(gate(x)) * up(x))``: Llama, Mistral, Qwen) with their first half fused for few rows:
 one pass of the skinny kernel reads the gate and up weights side by side and writes ``silu(g) * u`` directly
 (``bucketserve_cpu::skinny_silu_mul``), instead of two linear calls, a SiLU and a multiply with a
-``[M, 2 * intermediate]`` result in between. Above ``SKINNY_MAX_M`` rows it runs on oneDNN, with the SiLU fused
+``[M, 2 * intermediate]`` result in between. Above ``skinny_max_rows`` rows it runs on oneDNN, with the SiLU fused
 into the gate GEMM and the product into the up GEMM (oneDNN post-ops).
 
 The gate and up weights' panel copies are replaced by one interleaved copy (gate panel 0, up panel 0, gate
@@ -22,7 +22,6 @@ from types import MethodType
 import torch
 
 from engine import huge_pages
-from engine.linear_prepack import SKINNY_MAX_M
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +30,10 @@ def _fused_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     # x [..., hidden] -> [..., hidden]
     flat = x.reshape(-1, x.shape[-1])
     gate, up = self.gate_proj, self.up_proj
-    # silu(gate) * up [M, intermediate]: the skinny pass up to SKINNY_MAX_M rows, else oneDNN with the SiLU fused
+    # silu(gate) * up [M, intermediate]: the skinny pass up to the gate's skinny_max_rows rows, else oneDNN with the SiLU fused
     # into the gate GEMM and the product into the up GEMM; one operator, so one compiled graph serves every T.
     h = torch.ops.bucketserve_cpu.gated_linear(
-        flat, self.gate_up_panels, gate.out_features, gate.packed_index, up.packed_index, SKINNY_MAX_M
+        flat, self.gate_up_panels, gate.out_features, gate.packed_index, up.packed_index, gate.skinny_max_rows
     )
     return self.down_proj.forward(h).view(*x.shape[:-1], -1)  # the linear's forward: no hooks to run
 
@@ -78,7 +77,7 @@ def fuse_gated_mlps(model: torch.nn.Module) -> int:
         mlp.gate_up_panels = panels
         rtol, atol = _PROBE_TOLERANCE[gate.weight.dtype]
         # Both sides of the dispatch: skinny rows and oneDNN rows.
-        wide = torch.randn(SKINNY_MAX_M + 1, gate.in_features, generator=gen).to(gate.weight.dtype)
+        wide = torch.randn(gate.skinny_max_rows + 1, gate.in_features, generator=gen).to(gate.weight.dtype)
         if not all(
             torch.allclose(_fused_forward(mlp, x).float(), mlp(x).float(), rtol=rtol, atol=atol)
             for x in (probe, wide)

@@ -5,7 +5,7 @@ Measured on this 2-core AVX-512 host (fp32, ``[M, 512] x [512, 1408]``): oneDNN 
 decode-sized GEMM (M = 8) in 0.057 ms against 0.165 ms for ``F.linear`` (MKL, unpacked), a large one at about
 2.3x the rate, and the 32000-row LM head at M = 8 in 2.0 ms against 9.3 ms; results stay fp32-accurate.
 
-Few rows (decode steps and small chunks, up to ``SKINNY_MAX_M``) go to our own kernel instead
+Few rows (decode steps and small chunks, up to ``skinny_max_rows``) go to our own kernel instead
 (``engine/kernels/skinny_linear_cpu.cpp``), on a second copy of the weight laid out in 16-column panels: a
 decode step streams every weight once, and oneDNN's GEMM, blocked for larger M, reads them at 55-75% of that
 kernel's rate from M = 1 to 32 (measured on the same host, 2 threads, fp32, weights beyond the caches:
@@ -22,6 +22,7 @@ code still see it).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import weakref
@@ -30,19 +31,20 @@ from types import MethodType
 import torch
 
 from engine import huge_pages
+from engine.skinny_rows import skinny_row_limit
 
 logger = logging.getLogger(__name__)
 
 # The batch size oneDNN tunes the packed layout for; any M runs, this one covers decode batches to prefill
 # chunks well (measured: within 10% of the best hint from M = 1 to 512).
 PACK_HINT_M = 32
-# Up to this many rows a linear runs on the skinny kernel (when it is built), above it on oneDNN. AVX-512 (2-core
+# How many rows a linear runs on the skinny kernel (when it is built) before oneDNN takes it: per dtype and host
+# (skinny_max_rows, engine/skinny_rows.py); 64 by default, as measured here. AVX-512 (2-core
 # host): 1.03-1.26x oneDNN's speed at 64 rows over the small model's shapes, 0.97-1.17x at 96. AVX2 (2-core Zen 3
 # EPYC, a 16-column panel in two 8-float registers, 3 rows a pass, the accumulators in named registers), over the
 # small model's QKV, O, down and fused gate/up shapes: 1.7-2.2x oneDNN at 8 rows, 1.0-1.35x at 32, 0.9-1.4x at 64
 # (the gate/up pass, the largest, 1.28-1.42x), 0.77-1.28x at 128.
 _CPU = torch.backends.cpu.get_cpu_capability()
-SKINNY_MAX_M = 64
 SKINNY_PANEL = 16  # output columns per panel of the skinny kernel's weight layout
 
 
@@ -93,14 +95,23 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _dispatched_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """With the kernel extension: one C++ operator picks the skinny kernel (up to SKINNY_MAX_M rows, when the
-    layer has panels) or oneDNN."""
+    """With the kernel extension: one C++ operator picks the skinny kernel (up to ``skinny_max_rows`` rows, when
+    the layer has panels) or oneDNN."""
     # x [..., K] -> [..., N]
     flat = x.reshape(-1, x.shape[-1])  # [M, K]
     y = torch.ops.bucketserve_cpu.packed_linear(
-        flat, self.panel_weight, self.bias, self.out_features, self.packed_index, SKINNY_MAX_M
+        flat, self.panel_weight, self.bias, self.out_features, self.packed_index, self.skinny_max_rows
     )
     return y.view(*x.shape[:-1], self.out_features)
+
+
+@functools.cache
+def skinny_max_rows(dtype: torch.dtype) -> int:
+    """Up to how many rows a linear of ``dtype`` runs on the skinny kernel on this host (``engine.skinny_rows``)."""
+    ops = _kernels()
+    prefetch = ops is not None and bool(ops.prefetches_fp32_weights())
+    amx = bool(torch.cpu._is_amx_tile_supported())
+    return skinny_row_limit(str(dtype).removeprefix("torch."), _CPU, prefetch, amx)
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -146,6 +157,7 @@ def prepack_linear(module: torch.nn.Linear, panels: bool) -> None:
     module.panel_weight = panel_layout(w) if panels and ops is not None else None
     module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_M)
     module.packed_index = index
+    module.skinny_max_rows = skinny_max_rows(w.dtype)
     if ops is not None:
         ops.remember_packed(index, module.packed_weight)
         weakref.finalize(module, ops.forget_packed, index)
@@ -159,7 +171,7 @@ def unpack_linear(module: torch.nn.Linear) -> None:
     ops = _kernels()
     if ops is not None and getattr(module, "packed_index", None) is not None:
         ops.forget_packed(module.packed_index)
-    module.panel_weight = module.packed_weight = module.packed_index = None
+    module.panel_weight = module.packed_weight = module.packed_index = module.skinny_max_rows = None
     module.__dict__.pop("forward", None)
 
 
@@ -173,7 +185,8 @@ def prepack_linears(model: torch.nn.Module) -> int:
     panels = ops is not None and _wants_panels(linears[0].weight.dtype)
     for module in linears:
         prepack_linear(module, panels)
-    skinny = f", and for the skinny kernel up to {SKINNY_MAX_M} rows" if panels else ""
+    limit = skinny_max_rows(linears[0].weight.dtype)
+    skinny = f", and for the skinny kernel up to {limit} rows" if panels else ""
     if panels and linears[0].weight.dtype == torch.float32:
         skinny += f" (fp32 weights prefetched in software: {ops.prefetches_fp32_weights()})"
     logger.info("prepacked %d linear layers for oneDNN%s", len(linears), skinny)

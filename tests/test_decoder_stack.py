@@ -19,7 +19,7 @@ from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION
 from engine.forward_context import forward_context
 from engine.fused_attention import fuse_attention_layers
 from engine.kernels import build, cpu_paged_attention
-from engine.linear_prepack import SKINNY_MAX_M, prepack_linears
+from engine.linear_prepack import prepack_linears, skinny_max_rows
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model
 from engine.request import Request, SamplingParams
@@ -76,7 +76,7 @@ def test_a_mixed_step_walked_in_cpp_equals_the_python_walk_and_the_models_forwar
     python_walk = _make_forward(body, _layers(body))
     assert not python_walk.native
     # Two decodes (skinny rows), then with a fresh prompt long enough that the linears run on oneDNN.
-    fresh_len = SKINNY_MAX_M + 6
+    fresh_len = skinny_max_rows(torch.float32) + 6
     first, fresh = _decoding_and_fresh(engine, [9, 23], fresh_len)
     for items in ([(r, 1) for r in first], [(first[0], 1), (fresh, fresh_len), (first[1], 1)]):
         batch = runner.prepare(items)

@@ -11,7 +11,7 @@ from engine_helpers import needs_onednn_bf16
 
 from engine import linear_prepack
 from engine.kernels import build
-from engine.linear_prepack import SKINNY_MAX_M, panel_layout, prepack_linears
+from engine.linear_prepack import panel_layout, prepack_linears, skinny_max_rows
 
 
 @pytest.fixture(autouse=True)
@@ -102,8 +102,14 @@ def test_bad_shapes_and_dtypes_are_refused_with_a_reason(skinny) -> None:
         skinny(torch.randn(2, 24), panels, torch.randn(39), 40)
 
 
-@pytest.mark.parametrize("rows", [1, SKINNY_MAX_M, SKINNY_MAX_M + 1, 3 * SKINNY_MAX_M])
-def test_a_packed_linear_takes_the_skinny_kernel_up_to_its_row_limit(skinny, rows: int) -> None:
+@pytest.mark.parametrize(
+    "rows_at",
+    [lambda n: 1, lambda n: n, lambda n: n + 1, lambda n: 3 * n],
+    ids=["1", "limit", "limit+1", "3x"],
+)
+def test_a_packed_linear_takes_the_skinny_kernel_up_to_its_row_limit(skinny, rows_at) -> None:
+    limit = skinny_max_rows(torch.float32)
+    rows = rows_at(limit)
     lin = torch.nn.Linear(64, 96)
     x = torch.randn(rows, 64)
     with torch.inference_mode():
@@ -114,19 +120,21 @@ def test_a_packed_linear_takes_the_skinny_kernel_up_to_its_row_limit(skinny, row
         # packed copy) the right answer.
         lin.panel_weight.zero_()
         skinny_ran = torch.equal(lin(x), lin.bias.expand(rows, -1))
-    assert skinny_ran == (rows <= SKINNY_MAX_M)
+    assert lin.skinny_max_rows == limit
+    assert skinny_ran == (rows <= limit)
 
 
 def test_a_freed_layer_takes_its_packed_weight_along(skinny) -> None:
     lin = torch.nn.Linear(64, 96)
     prepack_linears(lin)
-    index, x = lin.packed_index, torch.randn(SKINNY_MAX_M + 1, 64)
+    limit = lin.skinny_max_rows
+    index, x = lin.packed_index, torch.randn(limit + 1, 64)
     ops = torch.ops.bucketserve_cpu
-    assert ops.packed_linear(x, None, None, 96, index, SKINNY_MAX_M).shape == (SKINNY_MAX_M + 1, 96)
+    assert ops.packed_linear(x, None, None, 96, index, limit).shape == (limit + 1, 96)
     del lin
     gc.collect()
     with pytest.raises(RuntimeError, match=f"no prepacked weight under index {index}"):
-        ops.packed_linear(x, None, None, 96, index, SKINNY_MAX_M)
+        ops.packed_linear(x, None, None, 96, index, limit)
 
 
 def test_without_the_kernel_extension_every_row_count_runs_on_onednn(monkeypatch) -> None:
@@ -150,7 +158,7 @@ def test_bf16_linears_take_the_skinny_kernel_too(skinny) -> None:
     with torch.inference_mode():
         prepack_linears(lin)
         assert lin.panel_weight.dtype == torch.bfloat16
-        for rows in (3, SKINNY_MAX_M + 1):  # skinny, then oneDNN
+        for rows in (3, skinny_max_rows(torch.bfloat16) + 1):  # skinny, then oneDNN
             x = torch.randn(rows, 64, dtype=torch.bfloat16)
             want = torch.nn.functional.linear(x, lin.weight, lin.bias)
             torch.testing.assert_close(lin(x), want, rtol=2e-2, atol=2e-2)

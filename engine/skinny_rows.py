@@ -1,0 +1,31 @@
+"""How many rows a linear layer runs on the skinny kernel before oneDNN takes it (a pure policy over the host's
+facts, chosen once per dtype at load: ``engine.linear_prepack.skinny_max_rows``).
+
+Each limit is where the two met in decode steps of ``small`` (context 512), switching the limit every few steps in
+one process:
+
+- fp32 on AVX-512 with the kernel's software prefetch (Intel): 128 rows. On a 2-core Xeon (Sapphire Rapids class),
+  a limit of 128 against 64 took 0.96-0.97 / 0.96-0.98 / 0.96-0.99 of the time at batch 80 / 96 / 128 (two runs);
+  256 gained under 1.2% at batch 160 and 256, so it stays 128.
+- bf16 on a CPU with AMX: 16 rows. There oneDNN multiplies bf16 on the matrix unit while the skinny kernel widens
+  to fp32 on the vector units: on the same Xeon a limit of 16 against 64 took 0.98 / 0.93 / 0.89 / 0.87 of the time
+  at batch 24 / 32 / 48 / 64 (8 rows: the same as 16 at batch 16), and 128 took 1.27-1.28x as long at batch 96-128.
+- Everything else: 64 rows (measured on AVX-512 without AMX, and on AVX2: ``engine.linear_prepack``).
+"""
+
+from __future__ import annotations
+
+DEFAULT_ROWS = 64
+AMX_BF16_ROWS = 16
+PREFETCHED_FP32_ROWS = 128
+
+
+def skinny_row_limit(weight_dtype: str, isa: str, fp32_prefetch: bool, amx: bool) -> int:
+    """The most rows a linear of ``weight_dtype`` ("float32", "bfloat16", ...) runs on the skinny kernel, on a CPU
+    whose vector ISA torch reports as ``isa`` ("AVX512", "AVX2", ...), where the kernel prefetches fp32 weights in
+    software or not, with AMX tiles or not."""
+    if weight_dtype == "bfloat16" and amx:
+        return AMX_BF16_ROWS
+    if weight_dtype == "float32" and isa == "AVX512" and fp32_prefetch:
+        return PREFETCHED_FP32_ROWS
+    return DEFAULT_ROWS

@@ -31,6 +31,10 @@ def greedy_tokens(logits: torch.Tensor, splits: int = 1) -> torch.Tensor:
     argmax of each part, then of the parts' maxima (a GPU runs one block per row in a plain argmax: 29 us over
     128,256 logits on an H200, against a few for the split one). ``splits`` must divide V."""
     if splits <= 1:
+        if logits.device.type == "cpu":
+            # The same first-maximum index (NaN counting as the maximum, as argmax's), from ATen's max reduction:
+            # 3-4x faster on the CPU (2-core Xeon, [128, 4096] fp32: 109 against 332 us; [8, 4096]: 10 against 42).
+            return logits.max(-1).indices
         return logits.argmax(-1)
     n, v = logits.shape
     parts = logits.view(n, splits, v // splits)  # [N, S, V / S]

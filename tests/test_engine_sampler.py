@@ -68,5 +68,11 @@ def test_split_greedy_is_argmax_ties_and_nan_included(vocab: int, parts: int) ->
     assert want[1] == 7 and want[2] == vocab - 3 and want[3] == 0
     assert torch.equal(greedy_tokens(logits, splits), want)
     assert torch.equal(greedy_tokens(logits.bfloat16(), splits), logits.bfloat16().argmax(-1))
+    # unsplit, as the CPU runs it (a max reduction, not argmax): the same indices
+    assert torch.equal(greedy_tokens(logits), want)
+    assert torch.equal(greedy_tokens(logits.bfloat16()), logits.bfloat16().argmax(-1))
+    lead_nan = logits[:1].clone()
+    lead_nan[0, [3, 9]] = float("nan")  # the first NaN wins, as argmax's
+    assert greedy_tokens(lead_nan).item() == lead_nan.argmax(-1).item() == 3
     with pytest.raises(RuntimeError):
         greedy_tokens(logits[:, : vocab - 1], 64)  # a split that does not divide V is refused, not rounded

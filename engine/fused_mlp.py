@@ -30,8 +30,9 @@ def _fused_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     # x [..., hidden] -> [..., hidden]
     flat = x.reshape(-1, x.shape[-1])
     gate, up = self.gate_proj, self.up_proj
-    # silu(gate) * up [M, intermediate]: the skinny pass up to the gate's skinny_max_rows rows, else oneDNN with the SiLU fused
-    # into the gate GEMM and the product into the up GEMM; one operator, so one compiled graph serves every T.
+    # silu(gate) * up [M, intermediate]: the skinny pass up to the gate's skinny_max_rows rows, else oneDNN with
+    # the SiLU fused into the gate GEMM and the product into the up GEMM; one operator, so one compiled graph
+    # serves every T.
     h = torch.ops.bucketserve_cpu.gated_linear(
         flat, self.gate_up_panels, gate.out_features, gate.packed_index, up.packed_index, gate.skinny_max_rows
     )

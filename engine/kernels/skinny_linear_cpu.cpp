@@ -76,7 +76,8 @@ inline __m512 load_w<bf16_bits>(const bf16_bits* p) {
 //   batch 64 level), bf16 0.96-0.99 / 1.06-1.07 / 1.00-1.01 (two runs);
 //   2-core Intel Xeon (Sapphire Rapids class, AMX, 480 MiB L3): fp32 batch 1 / 8 / 16 / 32 / 64 1.11-1.12 /
 //   1.15-1.20 / 1.12 / 1.06-1.08 / 1.04 of the time with it (two runs; 4 KB or 2 KB ahead did no better, 16 KB worse).
-// So bf16 weights are always prefetched, fp32 ones everywhere but on AMD (run_pairs picks once per process).
+// So bf16 weights are always prefetched, fp32 ones everywhere but on AMD (cpu_wants_fp32_prefetch, read once per
+// process; run instantiates both and takes one).
 template <int MR, int NP, bool kGated, typename WT, bool kPrefetch>
 inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restrict w, int64_t K,
                        const float* bias, float* __restrict y, int64_t ldy, int64_t cols) {
@@ -434,8 +435,8 @@ at::Tensor run(const Args& a, const at::Tensor& x_in, const at::Tensor& panels, 
   at::Tensor y = at::empty({a.M, n}, a.x.options());
   if (a.M > 0) {
     if (a.bf16)
-      run_pairs<kGated, bf16_bits, true>(a, reinterpret_cast<const bf16_bits*>(panels.const_data_ptr<at::BFloat16>()), bp,
-                        y.data_ptr<float>(), n);
+      run_pairs<kGated, bf16_bits, true>(
+          a, reinterpret_cast<const bf16_bits*>(panels.const_data_ptr<at::BFloat16>()), bp, y.data_ptr<float>(), n);
     else if (prefetches_fp32_weights())
       run_pairs<kGated, float, true>(a, panels.const_data_ptr<float>(), bp, y.data_ptr<float>(), n);
     else

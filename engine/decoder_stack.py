@@ -35,7 +35,6 @@ import torch
 
 from engine.forward_context import AttendFn, current_context, forward_context
 from engine.fused_attention import fused_attention_rows, is_fused, probe_context
-from engine.linear_prepack import skinny_max_rows
 from engine.swapped_forward import runs_forward
 
 logger = logging.getLogger(__name__)
@@ -109,7 +108,8 @@ def _make_forward(
     head_dim = layers[0][1].head_dim
     native = _native_args(layers, attend) if attend is not None else None
     walk = torch.ops.bucketserve_cpu.decoder_layers.default if native is not None else None
-    max_rows = skinny_max_rows(body.embed_tokens.weight.dtype)
+    # the row limit its layers' packed linears carry (all of one dtype): the C++ walk passes it to every call
+    max_rows = layers[0][1].o_proj.skinny_max_rows if native is not None else 0
 
     def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids/positions [T] -> hidden [T, hidden]

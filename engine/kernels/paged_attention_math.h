@@ -39,7 +39,8 @@ inline void to_float(const T* src, float* dst, int64_t n, float mul = 1.f) {
   for (; d < n; ++d) dst[d] = static_cast<float>(src[d]) * mul;
 }
 
-// C[R, N] (+)= A[R, K] . B[K, N], fp32, on operands in scratch: A(r, k) = A[r * ars + k * acs] and
+// C[R, N] (+)= A[R, K] . B[K, N], fp32, on operands in scratch (with ``cscale``, C's row r is first multiplied by
+// cscale[r], rounded as a separate multiply would be): A(r, k) = A[r * ars + k * acs] and
 // B(k, n) = B[k * ldb + n]. R <= 8 rows x 2 column vectors of C stay in registers (16 of AVX-512's 32); A's
 // elements are broadcast, so each pair of B loads feeds 2R FMAs. ARS, A's row stride, is a template argument
 // where the caller knows it (0: the runtime ``ars``), so the R broadcasts of one k are constant offsets from one
@@ -48,7 +49,7 @@ inline void to_float(const T* src, float* dst, int64_t n, float mul = 1.f) {
 // GFLOP/s on a 2-core AVX-512 host whose matmul runs at ~320).
 template <int R, int64_t ARS>
 inline void panel_rows(const float* A, int64_t ars_rt, int64_t acs, const float* B, int64_t ldb, float* C,
-                       int64_t ldc, int64_t K, int64_t N, bool accumulate) {
+                       int64_t ldc, int64_t K, int64_t N, bool accumulate, const float* cscale = nullptr) {
   const int64_t ars = ARS ? ARS : ars_rt;
   int64_t n0 = 0;
   for (; n0 + 2 * VS <= N; n0 += 2 * VS) {
@@ -56,6 +57,10 @@ inline void panel_rows(const float* A, int64_t ars_rt, int64_t acs, const float*
     for (int r = 0; r < R; ++r) {
       acc[r][0] = accumulate ? Vec::loadu(C + r * ldc + n0) : Vec(0.f);
       acc[r][1] = accumulate ? Vec::loadu(C + r * ldc + n0 + VS) : Vec(0.f);
+      if (cscale != nullptr) {
+        acc[r][0] = acc[r][0] * Vec(cscale[r]);
+        acc[r][1] = acc[r][1] * Vec(cscale[r]);
+      }
     }
     const float* a = A;
     const float* b = B + n0;
@@ -76,7 +81,10 @@ inline void panel_rows(const float* A, int64_t ars_rt, int64_t acs, const float*
   for (; n0 < N; n0 += VS) {  // the last one or two vectors of columns, the last one maybe partial
     const int64_t c = std::min(VS, N - n0);
     Vec acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = accumulate ? Vec::loadu(C + r * ldc + n0, c) : Vec(0.f);
+    for (int r = 0; r < R; ++r) {
+      acc[r] = accumulate ? Vec::loadu(C + r * ldc + n0, c) : Vec(0.f);
+      if (cscale != nullptr) acc[r] = acc[r] * Vec(cscale[r]);
+    }
     const float* a = A;
     const float* b = B + n0;
     for (int64_t k = 0; k < K; ++k, a += acs, b += ldb) {
@@ -90,20 +98,23 @@ inline void panel_rows(const float* A, int64_t ars_rt, int64_t acs, const float*
 // C[M, N] (+)= A[M, K] . B[K, N] in blocks of 8 rows (see panel_rows).
 template <int64_t ARS>
 inline void panel_gemm(const float* A, int64_t ars_rt, int64_t acs, const float* B, int64_t ldb, float* C,
-                       int64_t ldc, int64_t M, int64_t K, int64_t N, bool accumulate) {
+                       int64_t ldc, int64_t M, int64_t K, int64_t N, bool accumulate, const float* cscale = nullptr) {
   const int64_t ars = ARS ? ARS : ars_rt;
   int64_t r = 0;
-  for (; r + 8 <= M; r += 8) panel_rows<8, ARS>(A + r * ars, ars, acs, B, ldb, C + r * ldc, ldc, K, N, accumulate);
+  for (; r + 8 <= M; r += 8)
+    panel_rows<8, ARS>(A + r * ars, ars, acs, B, ldb, C + r * ldc, ldc, K, N, accumulate,
+                       cscale ? cscale + r : nullptr);
   const float* a = A + r * ars;
   float* c = C + r * ldc;
+  const float* cs = cscale ? cscale + r : nullptr;
   switch (M - r) {
-    case 7: panel_rows<7, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate); break;
-    case 6: panel_rows<6, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate); break;
-    case 5: panel_rows<5, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate); break;
-    case 4: panel_rows<4, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate); break;
-    case 3: panel_rows<3, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate); break;
-    case 2: panel_rows<2, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate); break;
-    case 1: panel_rows<1, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate); break;
+    case 7: panel_rows<7, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate, cs); break;
+    case 6: panel_rows<6, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate, cs); break;
+    case 5: panel_rows<5, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate, cs); break;
+    case 4: panel_rows<4, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate, cs); break;
+    case 3: panel_rows<3, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate, cs); break;
+    case 2: panel_rows<2, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate, cs); break;
+    case 1: panel_rows<1, ARS>(a, ars, acs, B, ldb, c, ldc, K, N, accumulate, cs); break;
     default: break;
   }
 }
@@ -203,7 +214,9 @@ inline void softmax_chunk(float* S, int64_t np, float* acc, float* mx, float* su
   }
 }
 
-// The same update on S^T ([n][ld], slot-major), vectorised over the M query rows: slot s is seen by
+// The same update on S^T ([n][ld], slot-major), vectorised over the M query rows, except the accumulator's
+// rescale: each row's factor is left in ``alpha`` for the P V product, which applies it as it loads the rows
+// (panel_gemm's ``cscale``) instead of in a pass of its own: slot s is seen by
 // rows r >= G * (p0 + s - first_last_pos), a suffix, so its masked rows are a prefix of its row of S^T. Rows go
 // in blocks of up to kSoftmaxVecs vectors, each pass over the slots carrying one max or sum per vector in
 // registers: one chain per vector of rows over all n slots ran at the latency of vmaxps / vaddps, and a pass
@@ -289,8 +302,8 @@ inline void softmax_block_exp(float* St, int64_t ld, const float* mnew, const fl
     default: fn<1>(__VA_ARGS__); break;                  \
   }
 
-inline void softmax_chunk_t(float* St, int64_t ld, float* acc, float* mx, float* sum, float* mnew, float* alpha,
-                            int64_t M, int64_t D, int64_t n, int64_t first_last_pos, int64_t G, int64_t p0) {
+inline void softmax_chunk_t(float* St, int64_t ld, float* mx, float* sum, float* mnew, float* alpha, int64_t M,
+                            int64_t n, int64_t first_last_pos, int64_t G, int64_t p0) {
   const int64_t rmin0 = G * (p0 - first_last_pos);  // slot s is masked for rows below rmin0 + G * s
   for (int64_t b0 = 0; b0 < M; b0 += kSoftmaxVecs * VS) {
     const int64_t nv = std::min(kSoftmaxVecs, (M - b0 + VS - 1) / VS);
@@ -304,13 +317,6 @@ inline void softmax_chunk_t(float* St, int64_t ld, float* acc, float* mx, float*
   for (int64_t b0 = 0; b0 < M; b0 += kSoftmaxVecs * VS) {
     const int64_t nv = std::min(kSoftmaxVecs, (M - b0 + VS - 1) / VS);
     BUCKETSERVE_SOFTMAX_BLOCKS(softmax_block_exp, nv, St, ld, mnew, alpha, sum, M, n, b0, rmin0, G)
-  }
-  for (int64_t r = 0; r < M; ++r) {
-    if (alpha[r] == 1.f) continue;
-    float* arow = acc + r * D;
-    int64_t d = 0;
-    for (; d + VS <= D; d += VS) (Vec::loadu(arow + d) * Vec(alpha[r])).store(arow + d);
-    for (; d < D; ++d) arow[d] *= alpha[r];
   }
 }
 #undef BUCKETSERVE_SOFTMAX_BLOCKS

@@ -80,6 +80,36 @@ def test_bf16_weights_and_rows_are_widened_exactly(skinny, m: int, n: int, k: in
     assert skinny(x.float(), panel_layout(w), None, n).dtype == torch.float32
 
 
+@pytest.mark.parametrize("m", [1, 8, 13])
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_bf16_rows_give_the_fp32_rows_result_rounded_by_torch(skinny, m: int, weights: torch.dtype) -> None:
+    # bf16 rows are widened and the result rounded inside the kernel: bit for bit (NaNs NaN) what widening with torch, the
+    # fp32-rows path and Tensor.to(bfloat16) give, for the plain and the gated operator, strided rows included
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(2 * m, 300, generator=gen).bfloat16()[::2]  # [m, 300], rows 2 apart
+    w = torch.randn(100, 300, generator=gen).to(weights)
+    bias = torch.randn(100, generator=gen).to(weights)
+    x[0, :3] = torch.tensor(
+        [float("inf"), -float("inf"), 1e-40]
+    )  # inf and a denormal go through widening too
+    got = skinny(x, panel_layout(w), bias, 100)
+    assert got.dtype == torch.bfloat16
+    assert got.isnan().any()  # the inf rows made NaNs: they must stay NaN
+    _same_bf16(got, skinny(x.float(), panel_layout(w), bias, 100).to(torch.bfloat16))
+    silu_mul = torch.ops.bucketserve_cpu.skinny_silu_mul
+    gate, up = panel_layout(w[:50]), panel_layout(w[50:])
+    pairs = torch.stack([gate, up], 1).flatten(0, 1)  # gate 0, up 0, gate 1, up 1, ...
+    _same_bf16(silu_mul(x, pairs, 50), silu_mul(x.float(), pairs, 50).to(torch.bfloat16))
+
+
+def _same_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The same bits everywhere but in NaNs, which must be NaN in both (a NaN's payload may differ)."""
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got.isnan(), want.isnan())
+    keep = ~want.isnan()
+    assert torch.equal(got[keep].view(torch.int16), want[keep].view(torch.int16))
+
+
 def test_reads_a_strided_input_and_an_empty_batch(skinny) -> None:
     w = torch.randn(40, 24)
     x = torch.randn(24, 6).T  # [6, 24], not contiguous

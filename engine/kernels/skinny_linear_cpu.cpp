@@ -49,6 +49,7 @@ namespace {
 
 constexpr int64_t kPanel = 16;
 constexpr int64_t kPrefetchLines = 128;  // k-steps (64-byte lines) ahead
+constexpr int64_t kNextEvery = 2;  // AVX-512 passes after a pair's first: one line of the next pair every 2 k steps
 
 // bf16 weights are read as their 16-bit patterns and widened exactly to fp32 (a bf16 is the top half of an fp32):
 // they halve the bytes streamed, the arithmetic stays fp32.
@@ -79,9 +80,13 @@ inline __m512 load_w<bf16_bits>(const bf16_bits* p) {
 //   1.15-1.20 / 1.12 / 1.06-1.08 / 1.04 of the time with it (two runs; 4 KB or 2 KB ahead did no better, 16 KB worse).
 // So bf16 weights are always prefetched, fp32 ones everywhere but on AMD (cpu_wants_fp32_prefetch, read once per
 // process; run instantiates both and takes one).
+//
+// ``next`` (or null): ``next_lines`` 64-byte lines to bring into L2 during the pass, one every kNextEvery k steps
+// (the next panel pair's, see panels_all_rows).
 template <int MR, int NP, bool kGated, typename WT, bool kPrefetch>
 inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restrict w, int64_t K,
-                       const float* bias, float* __restrict y, int64_t ldy, int64_t cols) {
+                       const float* bias, float* __restrict y, int64_t ldy, int64_t cols, const char* next = nullptr,
+                       int64_t next_lines = 0) {
   // Prefetch about 8 KB ahead whatever the weight's width.
   constexpr int64_t ahead = kPrefetchLines * static_cast<int64_t>(sizeof(float) / sizeof(WT));
   static_assert(!kGated || NP == 2, "a gated pass holds one gate and one up panel");
@@ -95,6 +100,8 @@ inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restr
   }
   const int64_t stride = K * kPanel;  // from one panel to the next
   for (int64_t k = 0; k < K; ++k) {
+    if (next != nullptr && k % kNextEvery == 0 && k / kNextEvery < next_lines)
+      _mm_prefetch(next + (k / kNextEvery) * 64, _MM_HINT_T1);
     __m512 wv[NP];
     for (int p = 0; p < NP; ++p) {
       if constexpr (kPrefetch)
@@ -268,9 +275,9 @@ inline void panel_rows(const float* x, int64_t ldx, const WT* w, int64_t K, cons
 // always prefetch (measured with it on Zen 3), the portable one never.
 template <int MR, int NP, bool kGated, typename WT, bool kPf>
 inline void pass_of(const float* x, int64_t ldx, const WT* w, int64_t K, const float* bias, float* y, int64_t ldy,
-                    int64_t cols) {
+                    int64_t cols, const char* next = nullptr, int64_t next_lines = 0) {
 #if defined(__AVX512F__)
-  panel_rows<MR, NP, kGated, WT, kPf>(x, ldx, w, K, bias, y, ldy, cols);
+  panel_rows<MR, NP, kGated, WT, kPf>(x, ldx, w, K, bias, y, ldy, cols, next, next_lines);
 #else
   panel_rows<MR, NP, kGated, WT>(x, ldx, w, K, bias, y, ldy, cols);
 #endif
@@ -330,18 +337,32 @@ inline void panels_k_blocked(const float* x, int64_t M, int64_t K, const WT* w, 
 #endif
 
 // Rows [0, M) of NP adjacent panels, kRowBlock at a time, then the remainder.
+//
+// AVX-512, more rows than one pass (``next``: the thread's next panel pair, else null): a pair's first pass reads it
+// from memory and the passes after it from L2, so the first waits on memory (one core reads at about half the
+// host's rate) and the others on the FMA units, one after the other. The passes after the first therefore bring the
+// next pair into L2, K / kNextEvery lines each, so its first pass finds it there. `small`'s four linears of a
+// layer at 128 / 64 / 32 rows, each layer's after a 17 MB read (a decode's attention), paired in one process on a
+// 2-core Xeon with AMX: 0.94-0.96 / 0.92 / 1.00 of the time; one line every 4 k steps, or into L1, gained less.
 template <int NP, bool kGated, typename WT, bool kPf>
 inline void panels_all_rows(const float* x, int64_t M, int64_t K, const WT* w, const float* bias, float* y,
-                            int64_t N, int64_t cols) {
+                            int64_t N, int64_t cols, const WT* next = nullptr) {
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
   if (M > kRowBlock && M <= kBlockedRowsMax && K > kKBlock) {
     panels_k_blocked<NP, kGated, WT>(x, M, K, w, bias, y, N, cols);
     return;
   }
 #endif
+  const int64_t next_lines = next ? NP * K * static_cast<int64_t>(sizeof(WT)) * kPanel / 64 : 0;  // the pair's
+  const int64_t per_pass = K / kNextEvery;
   int64_t m = 0;
-  for (; m + kRowBlock <= M; m += kRowBlock)
-    pass_of<kRowBlock, NP, kGated, WT, kPf>(x + m * K, K, w, K, bias, y + m * N, N, cols);
+  for (int64_t pass = 0; m + kRowBlock <= M; m += kRowBlock, ++pass) {
+    const int64_t first = (pass - 1) * per_pass;  // this pass's share of the next pair's lines
+    const bool fetch = next != nullptr && pass >= 1 && first < next_lines;
+    pass_of<kRowBlock, NP, kGated, WT, kPf>(x + m * K, K, w, K, bias, y + m * N, N, cols,
+                                           fetch ? reinterpret_cast<const char*>(next) + first * 64 : nullptr,
+                                           fetch ? std::min(per_pass, next_lines - first) : 0);
+  }
   const float* xm = x + m * K;
   float* ym = y + m * N;
   switch (M - m) {
@@ -410,8 +431,10 @@ void run_pairs(const Args& a, const WT* wp, const float* bp, float* yp, int64_t 
       const int64_t p = 2 * q, c0 = (kGated ? q : p) * kPanel;
       const WT* w = wp + p * a.K * kPanel;
       const float* b = bp ? bp + c0 : nullptr;
+      // the thread's next pair, where there is one and this pair takes several passes
+      const WT* next = q + 1 < q1 && p + 3 < a.NP && a.M > kRowBlock ? w + 2 * a.K * kPanel : nullptr;
       if (p + 1 < a.NP)
-        panels_all_rows<2, kGated, WT, kPf>(xp, a.M, a.K, w, b, yp + c0, n, n - c0);
+        panels_all_rows<2, kGated, WT, kPf>(xp, a.M, a.K, w, b, yp + c0, n, n - c0, next);
       else if constexpr (!kGated)
         panels_all_rows<1, false, WT, kPf>(xp, a.M, a.K, w, b, yp + c0, n, n - c0);
     }

@@ -343,7 +343,8 @@ inline void panels_k_blocked(const float* x, int64_t M, int64_t K, const WT* w, 
 // host's rate) and the others on the FMA units, one after the other. The passes after the first therefore bring the
 // next pair into L2, K / kNextEvery lines each, so its first pass finds it there. `small`'s four linears of a
 // layer at 128 / 64 / 32 rows, each layer's after a 17 MB read (a decode's attention), paired in one process on a
-// 2-core Xeon with AMX: 0.94-0.96 / 0.92 / 1.00 of the time; one line every 4 k steps, or into L1, gained less.
+// 2-core Xeon with AMX: 0.93-0.96 / 0.88-0.92 / 1.00 of the time (three runs at 128, two at 64); one line every 4 k
+// steps into L2 gained less (0.95 at 128 rows), and into L1 as much at 128 rows but less at 64 (0.97-0.98).
 template <int NP, bool kGated, typename WT, bool kPf>
 inline void panels_all_rows(const float* x, int64_t M, int64_t K, const WT* w, const float* bias, float* y,
                             int64_t N, int64_t cols, const WT* next = nullptr) {

@@ -83,18 +83,17 @@ def test_bf16_weights_and_rows_are_widened_exactly(skinny, m: int, n: int, k: in
 @pytest.mark.parametrize("m", [1, 8, 13])
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
 def test_bf16_rows_give_the_fp32_rows_result_rounded_by_torch(skinny, m: int, weights: torch.dtype) -> None:
-    # bf16 rows are widened and the result rounded inside the kernel: bit for bit (NaNs NaN) what widening with torch, the
-    # fp32-rows path and Tensor.to(bfloat16) give, for the plain and the gated operator, strided rows included
+    # bf16 rows are widened and the result rounded inside the kernel: bit for bit (NaNs staying NaN) what widening
+    # with torch, the fp32-rows path and Tensor.to(bfloat16) give, for the plain and the gated operator
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(2 * m, 300, generator=gen).bfloat16()[::2]  # [m, 300], rows 2 apart
     w = torch.randn(100, 300, generator=gen).to(weights)
     bias = torch.randn(100, generator=gen).to(weights)
-    x[0, :3] = torch.tensor(
-        [float("inf"), -float("inf"), 1e-40]
-    )  # inf and a denormal go through widening too
+    # infinities and a denormal go through the widening too
+    x[0, :3] = torch.tensor([float("inf"), -float("inf"), 1e-40])
     got = skinny(x, panel_layout(w), bias, 100)
     assert got.dtype == torch.bfloat16
-    assert got.isnan().any()  # the inf rows made NaNs: they must stay NaN
+    assert got.isnan().any()  # row 0's infinities made NaNs: they must stay NaN
     _same_bf16(got, skinny(x.float(), panel_layout(w), bias, 100).to(torch.bfloat16))
     silu_mul = torch.ops.bucketserve_cpu.skinny_silu_mul
     gate, up = panel_layout(w[:50]), panel_layout(w[50:])

@@ -185,8 +185,7 @@ def prepack_linears(model: torch.nn.Module) -> int:
     panels = ops is not None and _wants_panels(linears[0].weight.dtype)
     for module in linears:
         prepack_linear(module, panels)
-    limit = skinny_max_rows(linears[0].weight.dtype)
-    skinny = f", and for the skinny kernel up to {limit} rows" if panels else ""
+    skinny = f", and for the skinny kernel up to {linears[0].skinny_max_rows} rows" if panels else ""
     if panels and linears[0].weight.dtype == torch.float32:
         skinny += f" (fp32 weights prefetched in software: {ops.prefetches_fp32_weights()})"
     logger.info("prepacked %d linear layers for oneDNN%s", len(linears), skinny)

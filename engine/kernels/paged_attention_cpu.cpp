@@ -431,6 +431,7 @@ struct Item {
     const int64_t M = rows(), D = g.D, ld = sc.ldq;
     const int64_t ch = chunk_slots(g.BS);
     const int64_t kv_end = w.kv_end;
+    const int64_t first_last_pos = ctx_start + w.q_begin;  // position of the tile's first query
     float* St = sc.s.get();  // [n][ld]
     for (int64_t hh = 0; hh < heads(); ++hh) {
       const int64_t h = w.head_begin + hh;
@@ -451,7 +452,6 @@ struct Item {
           prefetch_l2(kc + blk * g.k_b + slot * g.k_s + h * g.k_h, D);
           prefetch_l2(vc + blk * g.v_b + slot * g.v_s + h * g.v_h, D);
         }
-        const int64_t first_last_pos = ctx_start + w.q_begin;
         const int64_t rmin0 = g.G * (p0 - first_last_pos);  // slot s is masked for rows below rmin0 + G * s
         // S^T[n, M] = K Q^T: A(s, d) = kf[s * ldk + d], B(d, r) = qt[d * ld + r]; 8 slots at a time, from the
         // first vector of rows that sees the first of them (the rows before are masked for all 8, and the

@@ -36,6 +36,22 @@ def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
     return (y + bias.double() if bias is not None else y).float()
 
 
+def _uses_bf16_dot() -> bool:
+    return bool(torch.ops.bucketserve_cpu.uses_bf16_dot())
+
+
+def _pairwise_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 [M, N]: what VDPBF16PS accumulates for bf16 x [M, K] and w [N, K]: from the bias, per pair of k steps
+    the product of k + 1, then of k, each exact in fp32 and added with one rounding (an odd K's last step last)."""
+    xf, wf = x.float(), w.float()
+    m, k = x.shape
+    acc = (bias.float() if bias is not None else torch.zeros(w.shape[0])).expand(m, -1).clone()
+    steps = [j for k0 in range(0, k - 1, 2) for j in (k0 + 1, k0)] + ([k - 1] if k % 2 else [])
+    for j in steps:
+        acc = acc + xf[:, j : j + 1] * wf[:, j]
+    return acc
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 7, 8, 9, 11, 12, 13, 16, 17, 24, 33, 64])
 @pytest.mark.parametrize(("n", "k"), [(96, 64), (100, 37), (48, 8), (16, 1), (1408, 512), (5, 300)])
 def test_matches_a_float64_matmul(skinny, m: int, n: int, k: int) -> None:
@@ -73,7 +89,8 @@ def test_bf16_weights_and_rows_are_widened_exactly(skinny, m: int, n: int, k: in
     bias = torch.randn(n, generator=gen).bfloat16()
     got = skinny(x, panel_layout(w), bias, n)
     assert got.dtype == torch.bfloat16
-    # fp32 sums of the exact bf16 values, rounded once to bf16: within one bf16 rounding of the float64 result
+    # fp32 sums of the exact bf16 values (widened, or multiplied in pairs by the CPU's bf16 dot product), rounded
+    # once to bf16: within one bf16 rounding of the float64 result
     want = _reference(x.float(), w.float(), bias.float())
     torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3 * want.abs().max().item())
     # fp32 rows over bf16 weights (mixed) give fp32
@@ -84,7 +101,9 @@ def test_bf16_weights_and_rows_are_widened_exactly(skinny, m: int, n: int, k: in
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
 def test_bf16_rows_give_the_fp32_rows_result_rounded_by_torch(skinny, m: int, weights: torch.dtype) -> None:
     # bf16 rows are widened and the result rounded inside the kernel: bit for bit (NaNs staying NaN) what widening
-    # with torch, the fp32-rows path and Tensor.to(bfloat16) give, for the plain and the gated operator
+    # with torch, the fp32-rows path and Tensor.to(bfloat16) give, for the plain and the gated operator. Over bf16
+    # weights on a CPU with AVX512_BF16 the rows are multiplied in pairs instead (VDPBF16PS): then bit for bit what
+    # that instruction's order of additions gives, rounded by torch.
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(2 * m, 300, generator=gen).bfloat16()[::2]  # [m, 300], rows 2 apart
     w = torch.randn(100, 300, generator=gen).to(weights)
@@ -94,11 +113,34 @@ def test_bf16_rows_give_the_fp32_rows_result_rounded_by_torch(skinny, m: int, we
     got = skinny(x, panel_layout(w), bias, 100)
     assert got.dtype == torch.bfloat16
     assert got.isnan().any()  # row 0's infinities made NaNs: they must stay NaN
-    _same_bf16(got, skinny(x.float(), panel_layout(w), bias, 100).to(torch.bfloat16))
     silu_mul = torch.ops.bucketserve_cpu.skinny_silu_mul
     gate, up = panel_layout(w[:50]), panel_layout(w[50:])
     pairs = torch.stack([gate, up], 1).flatten(0, 1)  # gate 0, up 0, gate 1, up 1, ...
-    _same_bf16(silu_mul(x, pairs, 50), silu_mul(x.float(), pairs, 50).to(torch.bfloat16))
+    if weights == torch.bfloat16 and _uses_bf16_dot():
+        _same_bf16(got, _pairwise_reference(x, w, bias).to(torch.bfloat16))
+        g, u = _pairwise_reference(x, w[:50], None), _pairwise_reference(x, w[50:], None)
+        _same_bf16(silu_mul(x, pairs, 50), (torch.nn.functional.silu(g) * u).to(torch.bfloat16))
+    else:
+        _same_bf16(got, skinny(x.float(), panel_layout(w), bias, 100).to(torch.bfloat16))
+        _same_bf16(silu_mul(x, pairs, 50), silu_mul(x.float(), pairs, 50).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(40, 1408, 1408), (40, 100, 300), (3, 40, 37)])
+def test_bf16_dot_products_add_each_pair_in_the_instructions_order(skinny, m: int, n: int, k: int) -> None:
+    # The dot-product pass's bits, pinned: per pair of k steps, k + 1's product then k's (an odd K's last step
+    # alone), plain and gated. 40 x 1408 outputs over K = 1408 tell orders apart: the k steps in turn differ in 8.
+    if not _uses_bf16_dot():
+        pytest.skip("this CPU has no AVX512_BF16 (or this build no AVX-512): bf16 rows are widened instead")
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    _same_bf16(skinny(x, panel_layout(w), bias, n), _pairwise_reference(x, w, bias).to(torch.bfloat16))
+    half = n // 2
+    pairs = torch.stack([panel_layout(w[:half]), panel_layout(w[half:])], 1).flatten(0, 1)
+    g, u = _pairwise_reference(x, w[:half], None), _pairwise_reference(x, w[half:], None)
+    want = (torch.nn.functional.silu(g) * u).to(torch.bfloat16)
+    _same_bf16(torch.ops.bucketserve_cpu.skinny_silu_mul(x, pairs, half), want)
 
 
 def _same_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -219,3 +261,16 @@ def test_fp32_weights_are_prefetched_in_software_except_on_amd_avx512_cpus(skinn
     cap = torch.backends.cpu.get_cpu_capability()
     want = {"AVX512": vendor != "AuthenticAMD", "AVX2": True}.get(cap, False)
     assert torch.ops.bucketserve_cpu.prefetches_fp32_weights() is want, (vendor, cap)
+
+
+def test_bf16_rows_take_the_dot_product_pass_where_the_cpu_has_avx512_bf16(skinny) -> None:
+    # The kernel reads CPUID itself; the operating system's list of the CPU's flags must agree with it.
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    flags = next(
+        (line.split(":")[1].split() for line in cpuinfo.read_text().splitlines() if line.startswith("flags")),
+        [],
+    )
+    want = torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_bf16" in flags
+    assert _uses_bf16_dot() is want, (flags, torch.backends.cpu.get_cpu_capability())

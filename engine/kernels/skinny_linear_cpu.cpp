@@ -1,5 +1,7 @@
 // A linear layer for few rows (decode batches): y[M, N] = x[M, K] . W[N, K]^T (+ bias), M <= ~64, fp32 or bf16
-// weights and rows (bf16 is widened exactly as it is read; the arithmetic is fp32, rounded once to x's dtype).
+// weights and rows (bf16 is widened exactly as it is read; the arithmetic is fp32, rounded once to x's dtype). bf16
+// rows over bf16 weights on a CPU with AVX512_BF16 are multiplied in pairs of k steps by its dot-product
+// instruction instead (panel_rows_dot: exact products, fp32 sums).
 //
 //   bucketserve_cpu::skinny_linear(x[M,K], panels[NP,K,16], bias[N]?, n) -> y[M,n]
 //
@@ -68,6 +70,35 @@ inline __m512 load_w<bf16_bits>(const bf16_bits* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// A pass's accumulators start at the bias (or zero); mask[p] keeps the panel's columns that exist (cols of them
+// from panel 0 on).
+template <int MR, int NP>
+inline void start_rows(__m512 (&acc)[NP][MR], __mmask16 (&mask)[NP], const float* bias, int64_t cols) {
+  for (int p = 0; p < NP; ++p) {
+    const int64_t c = std::clamp<int64_t>(cols - p * kPanel, 0, kPanel);
+    mask[p] = c >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << c) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask[p], bias + p * kPanel) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) acc[p][m] = b;
+  }
+}
+
+// A pass's results to y: the panels' columns, or for a gated pass silu(gate) * up, as ATen's own SiLU computes it
+// (x / (1 + exp(-x))), so the result is the same as the separate operators on these GEMM results.
+template <int MR, int NP, bool kGated>
+inline void store_rows(const __m512 (&acc)[NP][MR], const __mmask16 (&mask)[NP], float* y, int64_t ldy) {
+  if constexpr (kGated) {
+    using Vec = at::vec::Vectorized<float>;
+    for (int m = 0; m < MR; ++m) {
+      const Vec g(acc[0][m]);
+      const Vec h = g / (Vec(1.f) + g.neg().exp()) * Vec(acc[1][m]);
+      _mm512_mask_storeu_ps(y + m * ldy, mask[0], static_cast<__m512>(h));
+    }
+  } else {
+    for (int p = 0; p < NP; ++p)
+      for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * ldy + p * kPanel, mask[p], acc[p][m]);
+  }
+}
+
 // Rows [0, MR) of x times NP adjacent panels (16 * NP output columns): MR * NP accumulators in registers.
 // Two panels per pass let one broadcast of x[m][k] feed two FMAs, so from ~10 rows on the FMA units, not
 // the load ports, set the pace.
@@ -92,12 +123,7 @@ inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restr
   static_assert(!kGated || NP == 2, "a gated pass holds one gate and one up panel");
   __m512 acc[NP][MR];
   __mmask16 mask[NP];
-  for (int p = 0; p < NP; ++p) {
-    const int64_t c = std::clamp<int64_t>(cols - p * kPanel, 0, kPanel);
-    mask[p] = c >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << c) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask[p], bias + p * kPanel) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) acc[p][m] = b;
-  }
+  start_rows<MR, NP>(acc, mask, bias, cols);
   const int64_t stride = K * kPanel;  // from one panel to the next
   for (int64_t k = 0; k < K; ++k) {
     if (next != nullptr && k % kNextEvery == 0 && k / kNextEvery < next_lines)
@@ -113,19 +139,54 @@ inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restr
       for (int p = 0; p < NP; ++p) acc[p][m] = _mm512_fmadd_ps(xv, wv[p], acc[p][m]);
     }
   }
-  if constexpr (kGated) {
-    // silu(gate) * up, as ATen's own SiLU computes it (x / (1 + exp(-x))), so the result is the same as the
-    // separate operators on these GEMM results.
-    using Vec = at::vec::Vectorized<float>;
-    for (int m = 0; m < MR; ++m) {
-      const Vec g(acc[0][m]);
-      const Vec h = g / (Vec(1.f) + g.neg().exp()) * Vec(acc[1][m]);
-      _mm512_mask_storeu_ps(y + m * ldy, mask[0], static_cast<__m512>(h));
+  store_rows<MR, NP, kGated>(acc, mask, y, ldy);
+}
+
+// bf16 rows over bf16 weights on a CPU with AVX512_BF16: VDPBF16PS multiplies 16 lanes of bf16 pairs (two k steps)
+// and adds both products into fp32 accumulators, so one instruction does the work of two FMAs on widened values.
+// A panel's two k rows k, k + 1 (16 bf16 each, adjacent) are one 64-byte load; one permute interleaves them into
+// (k, k + 1) pairs per column, and x[m][k], x[m][k + 1] are broadcast as one 32-bit pair. The arithmetic is the
+// instruction's: each product exact in fp32, added in turn (k + 1, then k) with round-to-nearest-even, denormal
+// inputs and results flushed to zero. An odd K's last step is an FMA on widened values. Compiled for that
+// instruction set here only; called where the CPU has it (cpu_has_bf16_dot).
+template <int MR, int NP, bool kGated>
+__attribute__((target("avx512f,avx512bw,avx512bf16"), noinline)) void panel_rows_dot(
+    const bf16_bits* __restrict x, int64_t ldx, const bf16_bits* __restrict w, int64_t K, const float* bias,
+    float* __restrict y, int64_t ldy, int64_t cols, const char* next, int64_t next_lines) {
+  static_assert(!kGated || NP == 2, "a gated pass holds one gate and one up panel");
+  // word 2c + e of the result is word 16e + c of the load: column c's pair (k, k + 1)
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                              21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  constexpr int64_t ahead = kPrefetchLines * 2;  // k steps: about 8 KB of bf16 weights ahead, as panel_rows
+  __m512 acc[NP][MR];
+  __mmask16 mask[NP];
+  start_rows<MR, NP>(acc, mask, bias, cols);
+  const int64_t stride = K * kPanel;  // from one panel to the next
+  int64_t k = 0;
+  for (; k + 1 < K; k += 2) {
+    if (next != nullptr && k % (2 * kNextEvery) == 0 && k / (2 * kNextEvery) < next_lines)
+      _mm_prefetch(next + (k / (2 * kNextEvery)) * 64, _MM_HINT_T1);
+    __m512i wv[NP];
+    for (int p = 0; p < NP; ++p) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + p * stride + (k + ahead) * kPanel), _MM_HINT_T0);
+      wv[p] = _mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(w + p * stride + k * kPanel));
     }
-  } else {
-    for (int p = 0; p < NP; ++p)
-      for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * ldy + p * kPanel, mask[p], acc[p][m]);
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * ldx + k, sizeof pair);
+      const __m512i xv = _mm512_set1_epi32(pair);
+      for (int p = 0; p < NP; ++p) acc[p][m] = _mm512_dpbf16_ps(acc[p][m], (__m512bh)xv, (__m512bh)wv[p]);
+    }
   }
+  if (k < K) {  // odd K: the last step on widened values
+    __m512 wv[NP];
+    for (int p = 0; p < NP; ++p) wv[p] = load_w<bf16_bits>(w + p * stride + k * kPanel);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(x[m * ldx + k]) << 16));
+      for (int p = 0; p < NP; ++p) acc[p][m] = _mm512_fmadd_ps(xv, wv[p], acc[p][m]);
+    }
+  }
+  store_rows<MR, NP, kGated>(acc, mask, y, ldy);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2: a 16-column panel is two 8-float registers. With 16 registers, a pass keeps MR x NP x 2 accumulators
@@ -272,12 +333,16 @@ inline void panel_rows(const float* x, int64_t ldx, const WT* w, int64_t K, cons
 #endif
 
 // One pass of MR rows; kPf (software prefetch of the weights) is a choice of the AVX-512 pass only: AVX2 passes
-// always prefetch (measured with it on Zen 3), the portable one never.
-template <int MR, int NP, bool kGated, typename WT, bool kPf>
-inline void pass_of(const float* x, int64_t ldx, const WT* w, int64_t K, const float* bias, float* y, int64_t ldy,
+// always prefetch (measured with it on Zen 3), the portable one never. Rows of type XT: fp32, or bf16 (over bf16
+// weights, AVX-512 builds only: the dot-product pass).
+template <int MR, int NP, bool kGated, typename WT, bool kPf, typename XT>
+inline void pass_of(const XT* x, int64_t ldx, const WT* w, int64_t K, const float* bias, float* y, int64_t ldy,
                     int64_t cols, const char* next = nullptr, int64_t next_lines = 0) {
 #if defined(__AVX512F__)
-  panel_rows<MR, NP, kGated, WT, kPf>(x, ldx, w, K, bias, y, ldy, cols, next, next_lines);
+  if constexpr (std::is_same_v<XT, bf16_bits>)
+    panel_rows_dot<MR, NP, kGated>(x, ldx, w, K, bias, y, ldy, cols, next, next_lines);
+  else
+    panel_rows<MR, NP, kGated, WT, kPf>(x, ldx, w, K, bias, y, ldy, cols, next, next_lines);
 #else
   panel_rows<MR, NP, kGated, WT>(x, ldx, w, K, bias, y, ldy, cols);
 #endif
@@ -289,11 +354,11 @@ constexpr int kRowBlock = 12;  // rows per pass: 12 x 2 panels = 24 accumulators
 constexpr int kRowBlock = 3;  // rows per pass: 3 x 2 panels x 2 halves = 12 accumulators of AVX2's 16 registers
 #endif
 
-template <int NP, int MR, bool kGated, typename WT, bool kPf>
-inline void rows_tail(const float* x, int64_t K, const WT* w, const float* bias, float* y, int64_t N,
+template <int NP, int MR, bool kGated, typename WT, bool kPf, typename XT>
+inline void rows_tail(const XT* x, int64_t K, const WT* w, const float* bias, float* y, int64_t N,
                       int64_t cols) {
   // Only remainders below a full pass ever run (and only those are instantiated).
-  if constexpr (MR > 0 && MR < kRowBlock) pass_of<MR, NP, kGated, WT, kPf>(x, K, w, K, bias, y, N, cols);
+  if constexpr (MR > 0 && MR < kRowBlock) pass_of<MR, NP, kGated, WT, kPf, XT>(x, K, w, K, bias, y, N, cols);
 }
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
@@ -345,8 +410,8 @@ inline void panels_k_blocked(const float* x, int64_t M, int64_t K, const WT* w, 
 // layer at 128 / 64 / 32 rows, each layer's after a 17 MB read (a decode's attention), paired in one process on a
 // 2-core Xeon with AMX: 0.93-0.96 / 0.88-0.92 / 1.00 of the time (three runs at 128, two at 64); one line every 4 k
 // steps into L2 gained less (0.95 at 128 rows), and into L1 as much at 128 rows but less at 64 (0.97-0.98).
-template <int NP, bool kGated, typename WT, bool kPf>
-inline void panels_all_rows(const float* x, int64_t M, int64_t K, const WT* w, const float* bias, float* y,
+template <int NP, bool kGated, typename WT, bool kPf, typename XT>
+inline void panels_all_rows(const XT* x, int64_t M, int64_t K, const WT* w, const float* bias, float* y,
                             int64_t N, int64_t cols, const WT* next = nullptr) {
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
   if (M > kRowBlock && M <= kBlockedRowsMax && K > kKBlock) {
@@ -360,26 +425,40 @@ inline void panels_all_rows(const float* x, int64_t M, int64_t K, const WT* w, c
   for (int64_t pass = 0; m + kRowBlock <= M; m += kRowBlock, ++pass) {
     const int64_t first = (pass - 1) * per_pass;  // this pass's share of the next pair's lines
     const bool fetch = next != nullptr && pass >= 1 && first < next_lines;
-    pass_of<kRowBlock, NP, kGated, WT, kPf>(x + m * K, K, w, K, bias, y + m * N, N, cols,
+    pass_of<kRowBlock, NP, kGated, WT, kPf, XT>(x + m * K, K, w, K, bias, y + m * N, N, cols,
                                            fetch ? reinterpret_cast<const char*>(next) + first * 64 : nullptr,
                                            fetch ? std::min(per_pass, next_lines - first) : 0);
   }
-  const float* xm = x + m * K;
+  const XT* xm = x + m * K;
   float* ym = y + m * N;
   switch (M - m) {
-    case 11: rows_tail<NP, 11, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
-    case 10: rows_tail<NP, 10, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
-    case 9: rows_tail<NP, 9, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
-    case 8: rows_tail<NP, 8, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
-    case 7: rows_tail<NP, 7, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
-    case 6: rows_tail<NP, 6, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
-    case 5: rows_tail<NP, 5, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
-    case 4: rows_tail<NP, 4, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
-    case 3: rows_tail<NP, 3, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
-    case 2: rows_tail<NP, 2, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
-    case 1: rows_tail<NP, 1, kGated, WT, kPf>(xm, K, w, bias, ym, N, cols); break;
+    case 11: rows_tail<NP, 11, kGated, WT, kPf, XT>(xm, K, w, bias, ym, N, cols); break;
+    case 10: rows_tail<NP, 10, kGated, WT, kPf, XT>(xm, K, w, bias, ym, N, cols); break;
+    case 9: rows_tail<NP, 9, kGated, WT, kPf, XT>(xm, K, w, bias, ym, N, cols); break;
+    case 8: rows_tail<NP, 8, kGated, WT, kPf, XT>(xm, K, w, bias, ym, N, cols); break;
+    case 7: rows_tail<NP, 7, kGated, WT, kPf, XT>(xm, K, w, bias, ym, N, cols); break;
+    case 6: rows_tail<NP, 6, kGated, WT, kPf, XT>(xm, K, w, bias, ym, N, cols); break;
+    case 5: rows_tail<NP, 5, kGated, WT, kPf, XT>(xm, K, w, bias, ym, N, cols); break;
+    case 4: rows_tail<NP, 4, kGated, WT, kPf, XT>(xm, K, w, bias, ym, N, cols); break;
+    case 3: rows_tail<NP, 3, kGated, WT, kPf, XT>(xm, K, w, bias, ym, N, cols); break;
+    case 2: rows_tail<NP, 2, kGated, WT, kPf, XT>(xm, K, w, bias, ym, N, cols); break;
+    case 1: rows_tail<NP, 1, kGated, WT, kPf, XT>(xm, K, w, bias, ym, N, cols); break;
     default: break;
   }
+}
+
+// Whether bf16 rows over bf16 weights take the dot-product pass (panel_rows_dot): on AVX-512 builds, where the CPU
+// has AVX512_BF16 (CPUID leaf 7, subleaf 1, EAX bit 5). Read once per process.
+bool uses_bf16_dot() {
+#if defined(__AVX512F__) && (defined(__x86_64__) || defined(__i386__))
+  static const bool on = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) != 0 && ((eax >> 5) & 1u) != 0;
+  }();
+  return on;
+#else
+  return false;
+#endif
 }
 
 // What both operators check and convert: fp32 rows, the panels' geometry, and the weight's element type. Results
@@ -390,9 +469,10 @@ inline void panels_all_rows(const float* x, int64_t M, int64_t K, const WT* w, c
 // 1 / 8 / 16 rows (118 against 136, 206 against 223, 382 against 407 us): 3-10 us a call.
 struct Args {
   const float* x;  // [M, K] fp32, contiguous: x_in's own data, or its rows widened into this thread's buffer
+  const bf16_bits* xb;  // [M, K] bf16 rows as they are, for the dot-product pass (uses_bf16_dot); else null
   int64_t M, K, NP;
   bool bf16;  // weight panels in bf16 (else fp32)
-  at::Tensor x_f32;  // x_in, contiguous, when it is fp32 (keeps x alive and contiguous for the call)
+  at::Tensor keep;  // x_in, contiguous, when its own data is read (keeps it alive and contiguous for the call)
 };
 
 std::vector<float>& thread_buffer(int which) {
@@ -412,21 +492,24 @@ Args check(const char* op, const at::Tensor& x_in, const at::Tensor& panels) {
   const bool bf16_weights = wt == at::kBFloat16;
   if (xt == at::kFloat) {
     at::Tensor x = x_in.contiguous();
-    return {x.const_data_ptr<float>(), M, K, panels.size(0), bf16_weights, x};
+    return {x.const_data_ptr<float>(), nullptr, M, K, panels.size(0), bf16_weights, x};
   }
   const at::Tensor x = x_in.contiguous();
+  if (bf16_weights && uses_bf16_dot()) {
+    const auto* bits = reinterpret_cast<const bf16_bits*>(x.const_data_ptr<at::BFloat16>());
+    return {nullptr, bits, M, K, panels.size(0), true, x};
+  }
   std::vector<float>& buf = thread_buffer(0);
   buf.resize(static_cast<size_t>(M * K));
   const at::BFloat16* src = x.const_data_ptr<at::BFloat16>();
   for (int64_t i = 0; i < M * K; ++i) buf[i] = static_cast<float>(src[i]);  // exact
-  return {buf.data(), M, K, panels.size(0), bf16_weights, at::Tensor()};
+  return {buf.data(), nullptr, M, K, panels.size(0), bf16_weights, at::Tensor()};
 }
 
-template <bool kGated, typename WT, bool kPf>
-void run_pairs(const Args& a, const WT* wp, const float* bp, float* yp, int64_t n) {
+template <bool kGated, typename WT, bool kPf, typename XT>
+void run_pairs(const Args& a, const XT* xp, const WT* wp, const float* bp, float* yp, int64_t n) {
   // Threads take contiguous runs of panel pairs; an odd last panel goes alone (never in a gated call).
   const int64_t pairs = (a.NP + 1) / 2;
-  const float* xp = a.x;
   at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
     for (int64_t q = q0; q < q1; ++q) {
       const int64_t p = 2 * q, c0 = (kGated ? q : p) * kPanel;
@@ -435,9 +518,9 @@ void run_pairs(const Args& a, const WT* wp, const float* bp, float* yp, int64_t 
       // the thread's next pair, where there is one and this pair takes several passes
       const WT* next = q + 1 < q1 && p + 3 < a.NP && a.M > kRowBlock ? w + 2 * a.K * kPanel : nullptr;
       if (p + 1 < a.NP)
-        panels_all_rows<2, kGated, WT, kPf>(xp, a.M, a.K, w, b, yp + c0, n, n - c0, next);
+        panels_all_rows<2, kGated, WT, kPf, XT>(xp, a.M, a.K, w, b, yp + c0, n, n - c0, next);
       else if constexpr (!kGated)
-        panels_all_rows<1, false, WT, kPf>(xp, a.M, a.K, w, b, yp + c0, n, n - c0);
+        panels_all_rows<1, false, WT, kPf, XT>(xp, a.M, a.K, w, b, yp + c0, n, n - c0);
     }
   });
 }
@@ -488,13 +571,18 @@ at::Tensor run(const Args& a, const at::Tensor& x_in, const at::Tensor& panels, 
     yp = buf.data();
   }
   if (a.M > 0) {
-    if (a.bf16)
-      run_pairs<kGated, bf16_bits, true>(
-          a, reinterpret_cast<const bf16_bits*>(panels.const_data_ptr<at::BFloat16>()), bp, yp, n);
-    else if (prefetches_fp32_weights())
-      run_pairs<kGated, float, true>(a, panels.const_data_ptr<float>(), bp, yp, n);
-    else
-      run_pairs<kGated, float, false>(a, panels.const_data_ptr<float>(), bp, yp, n);
+    const auto* wb = a.bf16 ? reinterpret_cast<const bf16_bits*>(panels.const_data_ptr<at::BFloat16>()) : nullptr;
+    if (a.xb != nullptr) {
+#if defined(__AVX512F__)
+      run_pairs<kGated, bf16_bits, true>(a, a.xb, wb, bp, yp, n);
+#endif
+    } else if (a.bf16) {
+      run_pairs<kGated, bf16_bits, true>(a, a.x, wb, bp, yp, n);
+    } else if (prefetches_fp32_weights()) {
+      run_pairs<kGated, float, true>(a, a.x, panels.const_data_ptr<float>(), bp, yp, n);
+    } else {
+      run_pairs<kGated, float, false>(a, a.x, panels.const_data_ptr<float>(), bp, yp, n);
+    }
   }
   // Rounded as Tensor.to(bfloat16) rounds (ATen's vectorised conversion of this build's capability).
   if (!f32) at::vec::convert(yp, y.data_ptr<at::BFloat16>(), a.M * n);
@@ -594,6 +682,7 @@ TORCH_LIBRARY_FRAGMENT(bucketserve_cpu, m) {
   m.def("remember_packed(int index, Tensor packed) -> ()");
   m.def("forget_packed(int index) -> ()");
   m.def("prefetches_fp32_weights() -> bool");
+  m.def("uses_bf16_dot() -> bool");
   m.def("packed_linear(Tensor x, Tensor? panels, Tensor? bias, int n, int index, int max_rows) -> Tensor");
   m.def("gated_linear(Tensor x, Tensor panels, int n, int gate_index, int up_index, int max_rows) -> Tensor");
 }
@@ -610,4 +699,5 @@ TORCH_LIBRARY_IMPL(bucketserve_cpu, CatchAll, m) {
   m.impl("remember_packed", &remember_packed);
   m.impl("forget_packed", &forget_packed);
   m.impl("prefetches_fp32_weights", &prefetches_fp32_weights);
+  m.impl("uses_bf16_dot", &uses_bf16_dot);
 }

@@ -12,6 +12,7 @@
 #endif
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -118,6 +119,72 @@ inline void panel_gemm(const float* A, int64_t ars_rt, int64_t acs, const float*
     default: break;
   }
 }
+
+#if defined(CPU_CAPABILITY_AVX512)
+#define BUCKETSERVE_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512bf16")))
+// C[R, N] = scale * A[R, 2 KP] . B[2 KP, N] for bf16 A and B, two k steps per VDPBF16PS (each product exact in fp32,
+// added in turn with round-to-nearest-even; denormal inputs and results flushed to zero): A's pair p of row r is the
+// 32-bit word at A + r * ars + 2p, broadcast; B is laid out [KP][ldb][2], one column's pair per 32-bit lane. R <= 8
+// rows x 2 column vectors of C in registers, as panel_rows. Callers check the CPU has the instruction.
+template <int R, int64_t ARS>
+BUCKETSERVE_BF16_DOT inline void panel_rows_dot(const uint16_t* A, int64_t ars_rt, const uint16_t* B, int64_t ldb,
+                                                float* C, int64_t ldc, int64_t KP, int64_t N, float scale) {
+  const int64_t ars = ARS ? ARS : ars_rt;
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int64_t n0 = 0; n0 < N; n0 += 2 * VS) {
+    const int64_t c = std::min<int64_t>(2 * VS, N - n0);
+    const __mmask16 m0 = c >= VS ? 0xFFFF : static_cast<__mmask16>((1u << c) - 1);
+    const __mmask16 m1 = c >= 2 * VS ? 0xFFFF : c > VS ? static_cast<__mmask16>((1u << (c - VS)) - 1) : 0;
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const uint16_t* b = B + 2 * n0;
+    for (int64_t p = 0; p < KP; ++p, b += 2 * ldb) {
+      const __m512i b0 = _mm512_maskz_loadu_epi32(m0, b);
+      const __m512i b1 = _mm512_maskz_loadu_epi32(m1, b + 2 * VS);
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, A + r * ars + 2 * p, sizeof pair);
+        const __m512i x = _mm512_set1_epi32(pair);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)x, (__m512bh)b0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)x, (__m512bh)b1);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_mask_storeu_ps(C + r * ldc + n0, m0, _mm512_mul_ps(acc[r][0], vs));
+      _mm512_mask_storeu_ps(C + r * ldc + n0 + VS, m1, _mm512_mul_ps(acc[r][1], vs));
+    }
+  }
+}
+
+// panel_rows_dot over M <= 8 rows; A's row stride ``ars`` a compile-time constant where it is a packed_stride.
+template <int64_t ARS>
+BUCKETSERVE_BF16_DOT inline void panel_gemm_dot_m(const uint16_t* A, int64_t ars, const uint16_t* B, int64_t ldb,
+                                                  float* C, int64_t ldc, int64_t M, int64_t KP, int64_t N,
+                                                  float scale) {
+  switch (M) {
+    case 8: panel_rows_dot<8, ARS>(A, ars, B, ldb, C, ldc, KP, N, scale); break;
+    case 7: panel_rows_dot<7, ARS>(A, ars, B, ldb, C, ldc, KP, N, scale); break;
+    case 6: panel_rows_dot<6, ARS>(A, ars, B, ldb, C, ldc, KP, N, scale); break;
+    case 5: panel_rows_dot<5, ARS>(A, ars, B, ldb, C, ldc, KP, N, scale); break;
+    case 4: panel_rows_dot<4, ARS>(A, ars, B, ldb, C, ldc, KP, N, scale); break;
+    case 3: panel_rows_dot<3, ARS>(A, ars, B, ldb, C, ldc, KP, N, scale); break;
+    case 2: panel_rows_dot<2, ARS>(A, ars, B, ldb, C, ldc, KP, N, scale); break;
+    case 1: panel_rows_dot<1, ARS>(A, ars, B, ldb, C, ldc, KP, N, scale); break;
+    default: break;
+  }
+}
+
+BUCKETSERVE_BF16_DOT inline void panel_gemm_dot(const uint16_t* A, int64_t ars, const uint16_t* B, int64_t ldb,
+                                                float* C, int64_t ldc, int64_t M, int64_t KP, int64_t N,
+                                                float scale) {
+  switch (ars) {
+    case 64: panel_gemm_dot_m<64>(A, ars, B, ldb, C, ldc, M, KP, N, scale); break;
+    case 128: panel_gemm_dot_m<128>(A, ars, B, ldb, C, ldc, M, KP, N, scale); break;
+    case 256: panel_gemm_dot_m<256>(A, ars, B, ldb, C, ldc, M, KP, N, scale); break;
+    default: panel_gemm_dot_m<0>(A, ars, B, ldb, C, ldc, M, KP, N, scale); break;
+  }
+}
+#endif
 
 // The row stride of packed K rows in scratch: the head dim rounded up to one of the strides panel_gemm is
 // compiled for, or the head dim itself (a runtime stride) above them.

@@ -47,6 +47,8 @@
 #include <cpuid.h>
 #endif
 
+#include "cpu_features.h"
+
 namespace {
 
 constexpr int64_t kPanel = 16;
@@ -448,14 +450,10 @@ inline void panels_all_rows(const XT* x, int64_t M, int64_t K, const WT* w, cons
 }
 
 // Whether bf16 rows over bf16 weights take the dot-product pass (panel_rows_dot): on AVX-512 builds, where the CPU
-// has AVX512_BF16 (CPUID leaf 7, subleaf 1, EAX bit 5). Read once per process.
+// has AVX512_BF16 (cpu_features.h).
 bool uses_bf16_dot() {
-#if defined(__AVX512F__) && (defined(__x86_64__) || defined(__i386__))
-  static const bool on = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) != 0 && ((eax >> 5) & 1u) != 0;
-  }();
-  return on;
+#if defined(__AVX512F__)
+  return bucketserve::cpu_has_avx512_bf16();
 #else
   return false;
 #endif

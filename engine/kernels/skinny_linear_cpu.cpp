@@ -150,7 +150,7 @@ inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restr
 // (k, k + 1) pairs per column, and x[m][k], x[m][k + 1] are broadcast as one 32-bit pair. The arithmetic is the
 // instruction's: each product exact in fp32, added in turn (k + 1, then k) with round-to-nearest-even, denormal
 // inputs and results flushed to zero. An odd K's last step is an FMA on widened values. Compiled for that
-// instruction set here only; called where the CPU has it (cpu_has_bf16_dot).
+// instruction set here only; called where the CPU has it (uses_bf16_dot).
 template <int MR, int NP, bool kGated>
 __attribute__((target("avx512f,avx512bw,avx512bf16"), noinline)) void panel_rows_dot(
     const bf16_bits* __restrict x, int64_t ldx, const bf16_bits* __restrict w, int64_t K, const float* bias,
@@ -166,6 +166,9 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"), noinline)) void panel_rows
   const int64_t stride = K * kPanel;  // from one panel to the next
   int64_t k = 0;
   for (; k + 1 < K; k += 2) {
+    // One line of the next pair every 2 * kNextEvery k steps, the first half of this pass's share: on a 2-core Zen 4,
+    // small's four linears at 16 / 32 / 64 rows took 1.01-1.02 / 1.02-1.03 / 1.01-1.03x as long with the whole share
+    // (panel_rows' schedule), 1.02 / 1.00 / 1.02x with none.
     if (next != nullptr && k % (2 * kNextEvery) == 0 && k / (2 * kNextEvery) < next_lines)
       _mm_prefetch(next + (k / (2 * kNextEvery)) * 64, _MM_HINT_T1);
     __m512i wv[NP];

@@ -16,6 +16,8 @@
 #include <limits>
 #include <type_traits>
 
+#include "cpu_features.h"
+
 namespace bucketserve_kernels {
 
 using Vec = at::vec::Vectorized<float>;
@@ -121,7 +123,6 @@ inline void panel_gemm(const float* A, int64_t ars_rt, int64_t acs, const float*
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-#define BUCKETSERVE_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512bf16")))
 // C[R, N] = scale * A[R, 2 KP] . B[2 KP, N] for bf16 A and B, two k steps per VDPBF16PS (each product exact in fp32,
 // added in turn with round-to-nearest-even; denormal inputs and results flushed to zero): A's pair p of row r is the
 // 32-bit word at A + r * ars + 2p, broadcast; B is laid out [KP][ldb][2], one column's pair per 32-bit lane. R <= 8

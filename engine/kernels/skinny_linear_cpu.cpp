@@ -152,7 +152,7 @@ inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restr
 // inputs and results flushed to zero. An odd K's last step is an FMA on widened values. Compiled for that
 // instruction set here only; called where the CPU has it (uses_bf16_dot).
 template <int MR, int NP, bool kGated>
-__attribute__((target("avx512f,avx512bw,avx512bf16"), noinline)) void panel_rows_dot(
+BUCKETSERVE_BF16_DOT __attribute__((noinline)) void panel_rows_dot(
     const bf16_bits* __restrict x, int64_t ldx, const bf16_bits* __restrict w, int64_t K, const float* bias,
     float* __restrict y, int64_t ldy, int64_t cols, const char* next, int64_t next_lines) {
   static_assert(!kGated || NP == 2, "a gated pass holds one gate and one up panel");

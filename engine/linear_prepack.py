@@ -12,12 +12,14 @@ kernel's rate from M = 1 to 32 (measured on the same host, 2 threads, fp32, weig
 ``[8, 512] x [512, 1408]`` at 25.0 GB/s against 17.6, ``[8, 512] x [512, 256]`` at 30.8 against 11.2,
 ``[32, 512] x [512, 1408]`` at 12.7 against 10.5); the two meet near M = 64. bf16 weights take the same
 kernel, widened exactly to fp32 as they are read (half the bytes, fp32 arithmetic): 1.24-1.79x oneDNN's bf16
-GEMM from M = 1 to 96 on this host, whose CPU exposes AVX512_BF16 but no AMX. Where the CPU has AVX512_BF16,
+GEMM from M = 1 to 96 on this host, whose CPU exposes AVX512_BF16 but no AMX. On an AMD CPU with AVX512_BF16,
 bf16 rows over bf16 weights are multiplied in pairs of k steps by its dot-product instruction instead (fp32
 accumulators; the kernel's ``panel_rows_dot``): on a 2-core Zen 4 EPYC `small`'s four linears of a layer took
 0.90 / 0.71 / 0.58 / 0.52 / 0.48 of the widened pass's time at 1 / 8 / 16 / 32 / 64 rows, and meet oneDNN's bf16
-GEMM near 64 rows (0.76 of its time at 16, 0.90 at 32, 1.02 at 64). The panel copy costs one more copy of the
-linear weights.
+GEMM near 64 rows (0.76 of its time at 16, 0.90 at 32, 1.02 at 64). Intel's cores issue that instruction at a
+quarter of the FMA's rate (half its flops): on a 2-core Xeon with AMX the pass took 1.25-1.41x the widened one's
+time from 8 to 24 rows, so Intel CPUs widen (``engine/kernels/cpu_features.h``). The panel copy costs one more
+copy of the linear weights.
 
 The model classes stay transformers' own: only each linear module's ``forward`` is replaced, on the instance,
 by one that calls the packed operator; the original weight stays in place (tied embeddings and checkpoint

@@ -10,12 +10,14 @@ one process:
 - bf16 on a CPU with AMX: 16 rows. There oneDNN multiplies bf16 on the matrix unit while the skinny kernel widens
   to fp32 on the vector units: on the same Xeon a limit of 16 against 64 took 0.98 / 0.93 / 0.89 / 0.87 of the time
   at batch 24 / 32 / 48 / 64 (8 rows: the same as 16 at batch 16), and 128 took 1.27-1.28x as long at batch 96-128.
+  Again on such a Xeon (AMX, L3 480 MiB), four alternating rounds of steps against a limit of 16: a limit of 8 took
+  1.15x as long at batch 12 and 0.98-1.01 at 16-32; limits of 24 and 32 took 1.07 and 1.08x as long at batch 24,
+  and 32 took 1.19x at batch 32. (Intel CPUs widen bf16 rather than take the kernel's dot-product pass,
+  ``engine/kernels/cpu_features.h``; with that pass pinned, oneDNN's AMX GEMM was faster from 12 rows on.)
 - Everything else: 64 rows (measured on AVX-512 without AMX, and on AVX2: ``engine.linear_prepack``). bf16 on a
   2-core Zen 4 EPYC (AVX512_BF16, no AMX) with the kernel's dot-product pass: its four linears of a `small` layer
   took 0.76 / 0.90 / 0.96 / 1.02 / 1.06 of oneDNN's time at 16 / 32 / 48 / 64 / 96 rows, and decode steps with a
   limit of 128 against 64 took 1.04-1.10x as long at batch 80-128 (two alternating runs), so 64 holds there too.
-  (On AMX hosts the dot-product pass also serves bf16 up to 16 rows; where it now meets oneDNN's AMX GEMM is not
-  measured.)
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
-"""Shared helpers for engine tests: the test device, a small engine config, random prompts, greedy outputs and
-the skip marker of the bf16 fusion tests (the Hugging Face reference is the ``hf_reference`` fixture in
-conftest.py)."""
+"""Shared helpers for engine tests: the test device, a small engine config, random prompts, greedy outputs, the
+skip marker of the bf16 fusion tests and the CPU's facts as the operating system lists them (the Hugging Face
+reference is the ``hf_reference`` fixture in conftest.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,3 +60,36 @@ def greedy_tokens(engine, prompts: list[list[int]], max_tokens: int) -> list[lis
     while engine.has_unfinished():
         engine.step()
     return [r.output_token_ids for r in reqs]
+
+
+def cpuinfo_field(name: str) -> str:
+    """The first ``name`` line's value in /proc/cpuinfo ("flags", "vendor_id"); the test skips, saying why, where
+    there is no such file (the kernels read CPUID themselves: tests check them against the operating system)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip(f"no /proc/cpuinfo to read the CPU's {name} from")
+    lines = cpuinfo.read_text().splitlines()
+    return next((line.split(":", 1)[1].strip() for line in lines if line.split(":")[0].strip() == name), "")
+
+
+def can_run_bf16_dot() -> bool:
+    """Whether this build's kernels can multiply bf16 through VDPBF16PS here: an AVX-512 build on a CPU with
+    AVX512_BF16 (whether they do by default is the CPU vendor's matter: cpu_features.h)."""
+    return (
+        torch.backends.cpu.get_cpu_capability() == "AVX512"
+        and "avx512_bf16" in cpuinfo_field("flags").split()
+    )
+
+
+@contextlib.contextmanager
+def pinned_bf16_dot(setter: Callable[[int], None], dot: bool) -> Iterator[None]:
+    """Runs the body with a kernel's bf16 path pinned (``setter``: ``set_linear_bf16_dot`` or
+    ``set_attention_bf16_dot``), skipping the test, saying why, where the dot product cannot run; the CPU's default
+    again after."""
+    if dot and not can_run_bf16_dot():
+        pytest.skip("this CPU has no AVX512_BF16 (or this build no AVX-512): no bf16 dot-product path to pin")
+    setter(1 if dot else 0)
+    try:
+        yield
+    finally:
+        setter(-1)

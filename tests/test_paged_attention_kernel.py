@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import can_run_bf16_dot, cpuinfo_field, pinned_bf16_dot
 
 from engine import kernels
 from engine.kernels import build
@@ -196,6 +197,26 @@ def test_kernel_prefill_tiles_other_head_dims(kernel, head_dim: int, dtype: torc
 @pytest.mark.parametrize("kind", ["decode8", "chunked", "mixed"])
 def test_bf16_matches_dense(kind: str, impl: str, request: pytest.FixtureRequest) -> None:
     _check(_impl(impl, request), make_case(KINDS[kind], 4, 16, torch.bfloat16, seed=3))
+
+
+@pytest.mark.parametrize("dot", [False, True])
+@pytest.mark.parametrize("head_dim", [24, 64, 72])
+def test_kernel_bf16_prefill_tiles_with_each_product(kernel, head_dim: int, dot: bool) -> None:
+    # bf16 prefill tiles form S^T = K Q^T through VDPBF16PS (pairs of products per lane) or on widened values,
+    # chosen per CPU (engine/kernels/cpu_features.h): each path, pinned, against the dense reference.
+    ops = torch.ops.bucketserve_cpu
+    with pinned_bf16_dot(ops.set_attention_bf16_dot, dot):
+        assert ops.attention_uses_bf16_dot() is dot
+        for kind in ("prefill", "chunked", "mixed"):
+            _check(kernel, make_case(KINDS[kind], 4, 16, torch.bfloat16, seed=head_dim, head_dim=head_dim))
+
+
+def test_kernel_bf16_tiles_take_the_dot_product_by_default_on_amd_cpus_with_avx512_bf16(kernel) -> None:
+    # The kernel reads CPUID itself; the operating system's facts must agree with its choice.
+    want = can_run_bf16_dot() and cpuinfo_field("vendor_id") == "AuthenticAMD"
+    assert torch.ops.bucketserve_cpu.attention_uses_bf16_dot() is want
+    with pytest.raises(RuntimeError, match="mode -1"):
+        torch.ops.bucketserve_cpu.set_attention_bf16_dot(3)
 
 
 def test_kernel_bf16_cache_fp32_query(kernel) -> None:

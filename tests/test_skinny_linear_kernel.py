@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import gc
-from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import needs_onednn_bf16
+from engine_helpers import can_run_bf16_dot, cpuinfo_field, needs_onednn_bf16, pinned_bf16_dot
 
 from engine import linear_prepack
 from engine.kernels import build
@@ -97,13 +96,26 @@ def test_bf16_weights_and_rows_are_widened_exactly(skinny, m: int, n: int, k: in
     assert skinny(x.float(), panel_layout(w), None, n).dtype == torch.float32
 
 
+def _pin_dot(dot: bool):
+    return pinned_bf16_dot(torch.ops.bucketserve_cpu.set_linear_bf16_dot, dot)
+
+
 @pytest.mark.parametrize("m", [1, 8, 13])
-@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
-def test_bf16_rows_give_the_fp32_rows_result_rounded_by_torch(skinny, m: int, weights: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("weights", "dot"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+)
+def test_bf16_rows_give_the_fp32_rows_result_rounded_by_torch(
+    skinny, m: int, weights: torch.dtype, dot: bool
+) -> None:
     # bf16 rows are widened and the result rounded inside the kernel: bit for bit (NaNs staying NaN) what widening
     # with torch, the fp32-rows path and Tensor.to(bfloat16) give, for the plain and the gated operator. Over bf16
-    # weights on a CPU with AVX512_BF16 the rows are multiplied in pairs instead (VDPBF16PS): then bit for bit what
-    # that instruction's order of additions gives, rounded by torch.
+    # weights with the dot-product pass pinned (VDPBF16PS, on a CPU that has it) the rows are multiplied in pairs
+    # instead: then bit for bit what that instruction's order of additions gives, rounded by torch.
+    with _pin_dot(dot):
+        _check_bf16_rows(skinny, m, weights)
+
+
+def _check_bf16_rows(skinny, m: int, weights: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(2 * m, 300, generator=gen).bfloat16()[::2]  # [m, 300], rows 2 apart
     w = torch.randn(100, 300, generator=gen).to(weights)
@@ -129,8 +141,12 @@ def test_bf16_rows_give_the_fp32_rows_result_rounded_by_torch(skinny, m: int, we
 def test_bf16_dot_products_add_each_pair_in_the_instructions_order(skinny, m: int, n: int, k: int) -> None:
     # The dot-product pass's bits, pinned: per pair of k steps, k + 1's product then k's (an odd K's last step
     # alone), plain and gated. 40 x 1408 outputs over K = 1408 tell orders apart: the k steps in turn differ in 8.
-    if not _uses_bf16_dot():
-        pytest.skip("this CPU has no AVX512_BF16 (or this build no AVX-512): bf16 rows are widened instead")
+    with _pin_dot(True):
+        _check_pairwise_order(skinny, m, n, k)
+
+
+def _check_pairwise_order(skinny, m: int, n: int, k: int) -> None:
+    assert _uses_bf16_dot()
     gen = torch.Generator().manual_seed(n + k)
     x = torch.randn(m, k, generator=gen).bfloat16()
     w = torch.randn(n, k, generator=gen).bfloat16()
@@ -247,30 +263,35 @@ def test_bf16_linears_are_prepacked_only_where_onednn_has_a_bf16_path() -> None:
 def test_fp32_weights_are_prefetched_in_software_except_on_amd_avx512_cpus(skinny) -> None:
     # Measured per vendor (engine/kernels/skinny_linear_cpu.cpp, panel_rows): the AVX-512 pass prefetches fp32 weights
     # on Intel CPUs and leaves them to AMD's hardware prefetchers; AVX2 passes always prefetch, the portable one never.
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        pytest.skip("no /proc/cpuinfo to read the CPU's vendor from")
-    vendor = next(
-        (
-            line.split(":")[1].strip()
-            for line in cpuinfo.read_text().splitlines()
-            if line.startswith("vendor_id")
-        ),
-        "",
-    )
+    vendor = cpuinfo_field("vendor_id")
     cap = torch.backends.cpu.get_cpu_capability()
     want = {"AVX512": vendor != "AuthenticAMD", "AVX2": True}.get(cap, False)
     assert torch.ops.bucketserve_cpu.prefetches_fp32_weights() is want, (vendor, cap)
 
 
-def test_bf16_rows_take_the_dot_product_pass_where_the_cpu_has_avx512_bf16(skinny) -> None:
-    # The kernel reads CPUID itself; the operating system's list of the CPU's flags must agree with it.
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
-    flags = next(
-        (line.split(":")[1].split() for line in cpuinfo.read_text().splitlines() if line.startswith("flags")),
-        [],
-    )
-    want = torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_bf16" in flags
-    assert _uses_bf16_dot() is want, (flags, torch.backends.cpu.get_cpu_capability())
+def test_bf16_rows_take_the_dot_product_pass_by_default_on_amd_cpus_with_avx512_bf16(skinny) -> None:
+    # The kernel reads CPUID itself; the operating system's facts must agree with its choice: the dot product where
+    # it measured faster (AMD), widened FMAs elsewhere (on Intel's AVX512_BF16 the instruction runs at half the
+    # FMAs' flops: engine/kernels/cpu_features.h).
+    want = can_run_bf16_dot() and cpuinfo_field("vendor_id") == "AuthenticAMD"
+    assert _uses_bf16_dot() is want, (cpuinfo_field("vendor_id"), torch.backends.cpu.get_cpu_capability())
+
+
+def test_the_bf16_pass_can_be_pinned_where_the_cpu_runs_it_and_is_refused_elsewhere(skinny) -> None:
+    ops = torch.ops.bucketserve_cpu
+    default = _uses_bf16_dot()
+    try:
+        ops.set_linear_bf16_dot(0)
+        assert not _uses_bf16_dot()
+        if can_run_bf16_dot():
+            ops.set_linear_bf16_dot(1)
+            assert _uses_bf16_dot()
+        else:
+            with pytest.raises(RuntimeError, match="no AVX"):
+                ops.set_linear_bf16_dot(1)
+            assert not _uses_bf16_dot()
+        with pytest.raises(RuntimeError, match="mode -1"):
+            ops.set_linear_bf16_dot(2)
+    finally:
+        ops.set_linear_bf16_dot(-1)
+    assert _uses_bf16_dot() is default

@@ -25,10 +25,12 @@
 //   work, the GEMMs at its matmul rate) against 8.7-9.0 ms with per-row pointers into the cache; 4.9-5.0 ms
 //   since the tiles skip what the causal mask discards (run_tiled).
 // - bf16 K/V/Q are widened to fp32 in per-thread scratch: compute is always fp32. A prefill tile of bf16 queries
-//   and keys on a CPU with AVX512_BF16 takes its S^T = K Q^T through VDPBF16PS instead (two head-dim steps an
+//   and keys on an AMD CPU with AVX512_BF16 takes its S^T = K Q^T through VDPBF16PS instead (two head-dim steps an
 //   instruction, exact products, fp32 sums, the scale applied to each score): `small` geometry on a 2-core Zen 4,
 //   paired in one process, a 1024-token prompt's attention 0.82-0.83 of the time (5.03-5.11 against 6.10-6.16 ms
-//   a layer), eight 256-token ones 0.92-0.93; fp32 the same bits and time. P V stays fp32 (P is not rounded).
+//   a layer), eight 256-token ones 0.92-0.93; fp32 the same bits and time. P V stays fp32 (P is not rounded). On a
+//   2-core Xeon with AMX the same tiles took 1.27-1.34x as long as widened ones (4.54-4.63 against 5.76-6.02 ms a
+//   layer at 1024 tokens), so Intel CPUs widen (cpu_features.h, Bf16Dot).
 // - Threads pull work items from an atomic counter, longest first: causal tiles differ a lot in cost.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -148,6 +150,9 @@ inline void prefetch_l2(const T* p, int64_t n) {
 #endif
   }
 }
+
+// Whether bf16 prefill tiles multiply S^T = K Q^T through VDPBF16PS (Item::bf16_dot).
+bucketserve::Bf16Dot g_bf16_dot;
 
 // One work item: item-wide view of the call's tensors and the item's place in them.
 template <typename QT, typename KT>
@@ -437,11 +442,11 @@ struct Item {
   // (4.86-4.97 against 5.20-5.33 ms a layer), eight 256-token ones 0.87 (3.31-3.45 against 3.81-3.95 ms); the
   // padded row length alone gave 0.98 of each, the skipped mask 0.96 / 0.89 with it.
   // Whether a tile's S^T goes through the bf16 dot product: bf16 queries and keys, an even head dim, an AVX-512 build
-  // on a CPU with AVX512_BF16.
+  // where Bf16Dot says so (cpu_features.h: by default on AMD CPUs with AVX512_BF16).
   bool bf16_dot() const {
 #if defined(CPU_CAPABILITY_AVX512)
     return std::is_same_v<QT, c10::BFloat16> && std::is_same_v<KT, c10::BFloat16> && g.D % 2 == 0 &&
-           bucketserve::cpu_has_avx512_bf16();
+           g_bf16_dot.on();
 #else
     return false;
 #endif
@@ -696,12 +701,34 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     run_all<BF, BF>(out, q, k_cache, v_cache, table, lens, qsl, B, g);
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr bool kDotBuild = true;
+#else
+constexpr bool kDotBuild = false;
+#endif
+
+// Whether this build's bf16 prefill tiles take the dot product now (Item::bf16_dot).
+bool attention_uses_bf16_dot() { return kDotBuild && g_bf16_dot.on(); }
+
+// Pins that choice for this process (-1 the CPU's default, 0 widen, 1 the dot product).
+void set_attention_bf16_dot(int64_t mode) {
+  const char* why = g_bf16_dot.set(mode, kDotBuild);
+  TORCH_CHECK(why == nullptr, "set_attention_bf16_dot: ", why);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(bucketserve_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
       "Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
+  m.def("attention_uses_bf16_dot() -> bool");
+  m.def("set_attention_bf16_dot(int mode) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(bucketserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+
+TORCH_LIBRARY_IMPL(bucketserve_cpu, CatchAll, m) {
+  m.impl("attention_uses_bf16_dot", &attention_uses_bf16_dot);
+  m.impl("set_attention_bf16_dot", &set_attention_bf16_dot);
+}

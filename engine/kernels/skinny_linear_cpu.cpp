@@ -1,7 +1,7 @@
 // A linear layer for few rows (decode batches): y[M, N] = x[M, K] . W[N, K]^T (+ bias), M <= ~64, fp32 or bf16
 // weights and rows (bf16 is widened exactly as it is read; the arithmetic is fp32, rounded once to x's dtype). bf16
-// rows over bf16 weights on a CPU with AVX512_BF16 are multiplied in pairs of k steps by its dot-product
-// instruction instead (panel_rows_dot: exact products, fp32 sums).
+// rows over bf16 weights on an AMD CPU with AVX512_BF16 are multiplied in pairs of k steps by its dot-product
+// instruction instead (panel_rows_dot: exact products, fp32 sums; where it pays: cpu_features.h, Bf16Dot).
 //
 //   bucketserve_cpu::skinny_linear(x[M,K], panels[NP,K,16], bias[N]?, n) -> y[M,n]
 //
@@ -43,10 +43,6 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#endif
-
 #include "cpu_features.h"
 
 namespace {
@@ -144,13 +140,14 @@ inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restr
   store_rows<MR, NP, kGated>(acc, mask, y, ldy);
 }
 
-// bf16 rows over bf16 weights on a CPU with AVX512_BF16: VDPBF16PS multiplies 16 lanes of bf16 pairs (two k steps)
-// and adds both products into fp32 accumulators, so one instruction does the work of two FMAs on widened values.
+// bf16 rows over bf16 weights where Bf16Dot chooses it (AMD CPUs with AVX512_BF16): VDPBF16PS multiplies 16 lanes
+// of bf16 pairs (two k steps) and adds both products into fp32 accumulators, so one instruction does the work of
+// two FMAs on widened values (on Zen 4 at the FMA's issue rate; Intel's issues it at a quarter of it).
 // A panel's two k rows k, k + 1 (16 bf16 each, adjacent) are one 64-byte load; one permute interleaves them into
 // (k, k + 1) pairs per column, and x[m][k], x[m][k + 1] are broadcast as one 32-bit pair. The arithmetic is the
 // instruction's: each product exact in fp32, added in turn (k + 1, then k) with round-to-nearest-even, denormal
 // inputs and results flushed to zero. An odd K's last step is an FMA on widened values. Compiled for that
-// instruction set here only; called where the CPU has it (uses_bf16_dot).
+// instruction set here only; called where the CPU has it and Bf16Dot chooses it (uses_bf16_dot).
 template <int MR, int NP, bool kGated>
 BUCKETSERVE_BF16_DOT __attribute__((noinline)) void panel_rows_dot(
     const bf16_bits* __restrict x, int64_t ldx, const bf16_bits* __restrict w, int64_t K, const float* bias,
@@ -452,14 +449,21 @@ inline void panels_all_rows(const XT* x, int64_t M, int64_t K, const WT* w, cons
   }
 }
 
-// Whether bf16 rows over bf16 weights take the dot-product pass (panel_rows_dot): on AVX-512 builds, where the CPU
-// has AVX512_BF16 (cpu_features.h).
-bool uses_bf16_dot() {
 #if defined(__AVX512F__)
-  return bucketserve::cpu_has_avx512_bf16();
+constexpr bool kDotBuild = true;
 #else
-  return false;
+constexpr bool kDotBuild = false;
 #endif
+bucketserve::Bf16Dot g_bf16_dot;
+
+// Whether bf16 rows over bf16 weights take the dot-product pass (panel_rows_dot): on AVX-512 builds, where
+// Bf16Dot says so (cpu_features.h: by default on AMD CPUs with AVX512_BF16).
+bool uses_bf16_dot() { return kDotBuild && g_bf16_dot.on(); }
+
+// Pins that choice for this process (-1 the CPU's default, 0 widen, 1 the dot product).
+void set_bf16_dot(int64_t mode) {
+  const char* why = g_bf16_dot.set(mode, kDotBuild);
+  TORCH_CHECK(why == nullptr, "set_linear_bf16_dot: ", why);
 }
 
 // What both operators check and convert: fp32 rows, the panels' geometry, and the weight's element type. Results
@@ -528,23 +532,7 @@ void run_pairs(const Args& a, const XT* xp, const WT* wp, const float* bp, float
 
 #if defined(__AVX512F__)
 // Whether the AVX-512 pass prefetches fp32 weights itself: everywhere but on AMD CPUs (measured in panel_rows).
-// Read once from the CPU's vendor string.
-bool cpu_wants_fp32_prefetch() {
-  static const bool on = [] {
-#if defined(__x86_64__) || defined(__i386__)
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return true;
-    char vendor[13] = {};
-    std::memcpy(vendor, &ebx, 4);
-    std::memcpy(vendor + 4, &edx, 4);
-    std::memcpy(vendor + 8, &ecx, 4);
-    return std::strcmp(vendor, "AuthenticAMD") != 0;
-#else
-    return false;
-#endif
-  }();
-  return on;
-}
+bool cpu_wants_fp32_prefetch() { return !bucketserve::cpu_is_amd(); }
 #endif
 
 // What this build does with fp32 weights: the AVX-512 pass as chosen above, the AVX2 pass always prefetches, the
@@ -684,6 +672,7 @@ TORCH_LIBRARY_FRAGMENT(bucketserve_cpu, m) {
   m.def("forget_packed(int index) -> ()");
   m.def("prefetches_fp32_weights() -> bool");
   m.def("uses_bf16_dot() -> bool");
+  m.def("set_linear_bf16_dot(int mode) -> ()");
   m.def("packed_linear(Tensor x, Tensor? panels, Tensor? bias, int n, int index, int max_rows) -> Tensor");
   m.def("gated_linear(Tensor x, Tensor panels, int n, int gate_index, int up_index, int max_rows) -> Tensor");
 }
@@ -701,4 +690,5 @@ TORCH_LIBRARY_IMPL(bucketserve_cpu, CatchAll, m) {
   m.impl("forget_packed", &forget_packed);
   m.impl("prefetches_fp32_weights", &prefetches_fp32_weights);
   m.impl("uses_bf16_dot", &uses_bf16_dot);
+  m.impl("set_linear_bf16_dot", &set_bf16_dot);
 }

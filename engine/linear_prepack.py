@@ -18,8 +18,11 @@ accumulators; the kernel's ``panel_rows_dot``): on a 2-core Zen 4 EPYC `small`'s
 0.90 / 0.71 / 0.58 / 0.52 / 0.48 of the widened pass's time at 1 / 8 / 16 / 32 / 64 rows, and meet oneDNN's bf16
 GEMM near 64 rows (0.76 of its time at 16, 0.90 at 32, 1.02 at 64). Intel's cores issue that instruction at a
 quarter of the FMA's rate (half its flops): on a 2-core Xeon with AMX the pass took 1.25-1.41x the widened one's
-time from 8 to 24 rows, so Intel CPUs widen (``engine/kernels/cpu_features.h``). The panel copy costs one more
-copy of the linear weights.
+time from 8 to 24 rows, so Intel CPUs widen (``engine/kernels/cpu_features.h``), or, where they have AMX, multiply
+bf16 rows from 5 on on the matrix unit: each panel's 32 k rows permuted into a tile of (k, k + 1) pairs, times a
+16-row tile of x (``panels_amx``). On a 2-core Xeon with AMX that took 0.52 of the widened pass's time at 16 rows
+and 0.32 at 64, 0.63 of oneDNN's AMX GEMM at 16-32 rows and 0.89 at 48-64. The panel copy costs one more copy of
+the linear weights.
 
 The model classes stay transformers' own: only each linear module's ``forward`` is replaced, on the instance,
 by one that calls the packed operator; the original weight stays in place (tied embeddings and checkpoint
@@ -111,13 +114,23 @@ def _dispatched_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], self.out_features)
 
 
+# The skinny kernel's ways of multiplying bf16 rows by bf16 weights (its linear_bf16_path), as the load log says them.
+BF16_PATHS = {
+    0: "widened to fp32 for FMAs",
+    1: "multiplied in pairs by VDPBF16PS",
+    2: "multiplied on AMX tiles from 5 rows, widened below",
+}
+AMX_PATH = 2
+
+
 @functools.cache
 def skinny_max_rows(dtype: torch.dtype) -> int:
     """Up to how many rows a linear of ``dtype`` runs on the skinny kernel on this host (``engine.skinny_rows``)."""
     ops = _kernels()
     prefetch = ops is not None and bool(ops.prefetches_fp32_weights())
     amx = bool(torch.cpu._is_amx_tile_supported())
-    return skinny_row_limit(str(dtype).removeprefix("torch."), _CPU, prefetch, amx)
+    skinny_amx = ops is not None and int(ops.linear_bf16_path(True)) == AMX_PATH
+    return skinny_row_limit(str(dtype).removeprefix("torch."), _CPU, prefetch, amx, skinny_amx)
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -195,6 +208,6 @@ def prepack_linears(model: torch.nn.Module) -> int:
     if panels and linears[0].weight.dtype == torch.float32:
         skinny += f" (fp32 weights prefetched in software: {ops.prefetches_fp32_weights()})"
     elif panels and linears[0].weight.dtype == torch.bfloat16:
-        skinny += f" (bf16 rows multiplied in pairs, VDPBF16PS: {ops.uses_bf16_dot()})"
+        skinny += f" (bf16 rows {BF16_PATHS[int(ops.linear_bf16_path(True))]})"
     logger.info("prepacked %d linear layers for oneDNN%s", len(linears), skinny)
     return len(linears)

@@ -7,7 +7,11 @@ one process:
 - fp32 on AVX-512 with the kernel's software prefetch (Intel): 128 rows. On a 2-core Xeon (Sapphire Rapids class),
   a limit of 128 against 64 took 0.96-0.97 / 0.96-0.98 / 0.96-0.99 of the time at batch 80 / 96 / 128 (two runs);
   256 gained under 1.2% at batch 160 and 256, so it stays 128.
-- bf16 on a CPU with AMX: 16 rows. There oneDNN multiplies bf16 on the matrix unit while the skinny kernel widens
+- bf16 on a CPU with AMX, with the kernel's own AMX pass (its AVX-512 build): 64 rows. Both multiply on the matrix
+  unit then; on a 2-core Xeon with AMX (L3 480 MiB), three alternating rounds of steps against the limit of 16
+  below: limits of 64 / 96 / 128 took 0.88 / 0.88 / 0.85 of the time at batch 32, 0.97 / 0.98 / 0.98 at 48,
+  0.97 / 0.98 / 0.98 at 64, 0.99 / 1.01 / 1.00 at 96, 0.99 / 0.99 / 1.04 at 128.
+- bf16 on a CPU with AMX, the kernel without it (an AVX2 build there): 16 rows. There oneDNN multiplies bf16 on the matrix unit while the skinny kernel widens
   to fp32 on the vector units: on the same Xeon a limit of 16 against 64 took 0.98 / 0.93 / 0.89 / 0.87 of the time
   at batch 24 / 32 / 48 / 64 (8 rows: the same as 16 at batch 16), and 128 took 1.27-1.28x as long at batch 96-128.
   Again on such a Xeon (AMX, L3 480 MiB), four alternating rounds of steps against a limit of 16: a limit of 8 took
@@ -27,11 +31,14 @@ AMX_BF16_ROWS = 16
 PREFETCHED_FP32_ROWS = 128
 
 
-def skinny_row_limit(weight_dtype: str, isa: str, fp32_prefetch: bool, amx: bool) -> int:
+def skinny_row_limit(
+    weight_dtype: str, isa: str, fp32_prefetch: bool, amx: bool, skinny_amx: bool = False
+) -> int:
     """The most rows a linear of ``weight_dtype`` ("float32", "bfloat16", ...) runs on the skinny kernel, on a CPU
     whose vector ISA torch reports as ``isa`` ("AVX512", "AVX2", ...), where the kernel prefetches fp32 weights in
-    software or not, with AMX tiles or not."""
-    if weight_dtype == "bfloat16" and amx:
+    software or not, with AMX tiles for oneDNN or not, and for the kernel's own bf16 pass or not (``skinny_amx``:
+    an AVX-512 build of the kernel; an AVX2 build on the same CPU has none)."""
+    if weight_dtype == "bfloat16" and amx and not skinny_amx:
         return AMX_BF16_ROWS
     if weight_dtype == "float32" and isa == "AVX512" and fp32_prefetch:
         return PREFETCHED_FP32_ROWS

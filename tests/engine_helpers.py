@@ -81,15 +81,30 @@ def can_run_bf16_dot() -> bool:
     )
 
 
+def can_run_amx_bf16() -> bool:
+    """Whether this build's skinny linear kernel can multiply bf16 on AMX tiles here: an AVX-512 build on a CPU with
+    AMX-TILE and AMX-BF16 (the kernel also asks Linux for the tile state, which kernels since 5.16 grant)."""
+    flags = set(cpuinfo_field("flags").split())
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and {"amx_tile", "amx_bf16"} <= flags
+
+
 @contextlib.contextmanager
-def pinned_bf16_dot(setter: Callable[[int], None], dot: bool) -> Iterator[None]:
-    """Runs the body with a kernel's bf16 path pinned (``setter``: ``set_linear_bf16_dot`` or
-    ``set_attention_bf16_dot``), skipping the test, saying why, where the dot product cannot run; the CPU's default
-    again after."""
-    if dot and not can_run_bf16_dot():
-        pytest.skip("this CPU has no AVX512_BF16 (or this build no AVX-512): no bf16 dot-product path to pin")
-    setter(1 if dot else 0)
+def pinned_kernel_path(
+    setter: Callable[[int], None], mode: int, runnable: bool, missing: str
+) -> Iterator[None]:
+    """Runs the body with a kernel's way of multiplying bf16 pinned to ``mode`` (``setter``: the kernel's
+    ``set_..._bf16_...`` operator), skipping the test where that way cannot run here (``missing`` says why); the
+    CPU's default again after."""
+    if not runnable:
+        pytest.skip(f"{missing}: no such bf16 path to pin here")
+    setter(mode)
     try:
         yield
     finally:
         setter(-1)
+
+
+def pinned_bf16_dot(setter: Callable[[int], None], dot: bool) -> contextlib.AbstractContextManager[None]:
+    """The bf16 dot product (VDPBF16PS) pinned on or off (``set_attention_bf16_dot``, or the linear's path 1 / 0)."""
+    missing = "this CPU has no AVX512_BF16 (or this build no AVX-512)"
+    return pinned_kernel_path(setter, 1 if dot else 0, not dot or can_run_bf16_dot(), missing)

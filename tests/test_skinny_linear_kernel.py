@@ -6,7 +6,14 @@ import gc
 
 import pytest
 import torch
-from engine_helpers import can_run_bf16_dot, cpuinfo_field, needs_onednn_bf16, pinned_bf16_dot
+from engine_helpers import (
+    can_run_amx_bf16,
+    can_run_bf16_dot,
+    cpuinfo_field,
+    needs_onednn_bf16,
+    pinned_bf16_dot,
+    pinned_kernel_path,
+)
 
 from engine import linear_prepack
 from engine.kernels import build
@@ -35,8 +42,15 @@ def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
     return (y + bias.double() if bias is not None else y).float()
 
 
+WIDEN, DOT, AMX = 0, 1, 2  # the kernel's ways of multiplying bf16 rows by bf16 weights (linear_bf16_path)
+
+
+def _path() -> int:
+    return int(torch.ops.bucketserve_cpu.linear_bf16_path())
+
+
 def _uses_bf16_dot() -> bool:
-    return bool(torch.ops.bucketserve_cpu.uses_bf16_dot())
+    return _path() == DOT
 
 
 def _pairwise_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -66,10 +80,21 @@ def test_matches_a_float64_matmul(skinny, m: int, n: int, k: int) -> None:
 
 @pytest.mark.parametrize("m", [4, 8, 13, 40])
 @pytest.mark.parametrize(("n", "k"), [(100, 300), (1408, 512)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_gets_the_same_bits_in_any_batch(skinny, m: int, n: int, k: int, dtype: torch.dtype) -> None:
-    # Every accumulator sums its products in k order from the bias, however many rows share a pass: a decode's
-    # result does not depend on the batch it runs in.
+@pytest.mark.parametrize(
+    ("dtype", "path"),
+    [(torch.float32, WIDEN), (torch.bfloat16, WIDEN), (torch.bfloat16, DOT), (torch.bfloat16, AMX)],
+)
+def test_a_row_gets_the_same_bits_in_any_batch(
+    skinny, m: int, n: int, k: int, dtype: torch.dtype, path: int
+) -> None:
+    # On each path every accumulator sums its products in the same order from the bias, however many rows share a
+    # pass: a decode's result does not depend on the batch it runs in. (By default on AMX hosts bf16 batches under
+    # 5 rows take the widened path, 5 and more AMX tiles: test_amx_takes_bf16_rows_from_five_by_default.)
+    with _pin_path(path):
+        _check_batch_invariance(skinny, m, n, k, dtype)
+
+
+def _check_batch_invariance(skinny, m: int, n: int, k: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(m + n + k)
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = torch.randn(n, k, generator=gen).to(dtype)
@@ -97,7 +122,79 @@ def test_bf16_weights_and_rows_are_widened_exactly(skinny, m: int, n: int, k: in
 
 
 def _pin_dot(dot: bool):
-    return pinned_bf16_dot(torch.ops.bucketserve_cpu.set_linear_bf16_dot, dot)
+    return pinned_bf16_dot(torch.ops.bucketserve_cpu.set_linear_bf16_path, dot)
+
+
+def _pin_amx():
+    missing = "this CPU has no AMX bf16 tiles (or this build no AVX-512)"
+    return pinned_kernel_path(
+        torch.ops.bucketserve_cpu.set_linear_bf16_path, AMX, can_run_amx_bf16(), missing
+    )
+
+
+def _pin_path(path: int):
+    return _pin_amx() if path == AMX else _pin_dot(path == DOT)
+
+
+def test_amx_takes_bf16_rows_from_five_by_default(skinny) -> None:
+    # Below 5 rows the widened pass is faster than the AMX one (skinny_linear_cpu.cpp, kAmxMinRows): by default an
+    # AMX host's batches of 1-4 bf16 rows get the widened pass's bits, from 5 rows the AMX pass's.
+    if _path() != AMX:
+        pytest.skip("bf16 rows do not take AMX tiles by default here (no AMX, or this build no AVX-512)")
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(1408, 1408, generator=gen).bfloat16()
+    panels = panel_layout(w)
+    for m, path in ((1, WIDEN), (4, WIDEN), (5, AMX), (8, AMX), (33, AMX)):
+        x = torch.randn(m, 1408, generator=gen).bfloat16()
+        default = skinny(x, panels, None, 1408)
+        with _pin_path(path):
+            assert torch.equal(default, skinny(x, panels, None, 1408)), (m, path)
+    # the two paths' bits differ (so the equalities above tell them apart): 40 x 1408 results differ in some
+    x = torch.randn(40, 1408, generator=gen).bfloat16()
+    with _pin_path(WIDEN):
+        widened = skinny(x, panels, None, 1408)
+    assert not torch.equal(widened, skinny(x, panels, None, 1408))
+
+
+@pytest.mark.parametrize("m", [1, 4, 5, 16, 17, 32, 33, 64, 70])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (100, 37), (1408, 512), (33, 1408)])
+def test_amx_pass_matches_a_float64_matmul(skinny, m: int, n: int, k: int) -> None:
+    # The AMX pass (pinned: every row count takes it): 16-row blocks, two a pass, more than one pass from 33 rows; K
+    # not a multiple of the tile's 32 steps (37: x padded); partial last panels (100, 33). The matrix unit's own sums
+    # (in fp32, in an order of its own), rounded once to bf16: within one bf16 rounding of the float64 result.
+    gen = torch.Generator().manual_seed(m * 7 + n + k)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    half = n // 2
+    pairs = torch.stack([panel_layout(w[:half]), panel_layout(w[half : 2 * half])], 1).flatten(0, 1)
+    with _pin_amx():
+        got = skinny(x, panel_layout(w), bias, n)
+        gated = torch.ops.bucketserve_cpu.skinny_silu_mul(x, pairs, half)
+    want = _reference(x.float(), w.float(), bias.float())
+    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3 * want.abs().max().item())
+    g, u = (
+        _reference(x.float(), w[:half].float(), None),
+        _reference(x.float(), w[half : 2 * half].float(), None),
+    )
+    want_gated = torch.nn.functional.silu(g) * u
+    tol = 8e-3 * want_gated.abs().max().item()
+    torch.testing.assert_close(gated.float(), want_gated, rtol=1.6e-2, atol=tol)
+
+
+def test_amx_pass_keeps_nans_and_infinities(skinny) -> None:
+    # A row with infinities of both signs gives NaN where the widened pass does (inf - inf), else infinities; the
+    # other rows stay finite.
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 64, generator=gen).bfloat16()
+    x[0, :2] = torch.tensor([float("inf"), -float("inf")])
+    w = torch.randn(40, 64, generator=gen).bfloat16()
+    with pinned_kernel_path(torch.ops.bucketserve_cpu.set_linear_bf16_path, WIDEN, True, ""):
+        widened = skinny(x, panel_layout(w), None, 40)
+    with _pin_amx():
+        got = skinny(x, panel_layout(w), None, 40)
+    assert torch.equal(got.isnan(), widened.isnan())
+    assert got[0].isnan().any() and not got[0].isfinite().any() and got[1:].isfinite().all()
 
 
 @pytest.mark.parametrize("m", [1, 8, 13])
@@ -269,29 +366,32 @@ def test_fp32_weights_are_prefetched_in_software_except_on_amd_avx512_cpus(skinn
     assert torch.ops.bucketserve_cpu.prefetches_fp32_weights() is want, (vendor, cap)
 
 
-def test_bf16_rows_take_the_dot_product_pass_by_default_on_amd_cpus_with_avx512_bf16(skinny) -> None:
-    # The kernel reads CPUID itself; the operating system's facts must agree with its choice: the dot product where
-    # it measured faster (AMD), widened FMAs elsewhere (on Intel's AVX512_BF16 the instruction runs at half the
-    # FMAs' flops: engine/kernels/cpu_features.h).
-    want = can_run_bf16_dot() and cpuinfo_field("vendor_id") == "AuthenticAMD"
-    assert _uses_bf16_dot() is want, (cpuinfo_field("vendor_id"), torch.backends.cpu.get_cpu_capability())
+def test_bf16_rows_take_amx_tiles_else_the_dot_product_on_amd_else_widened_by_default(skinny) -> None:
+    # The kernel reads CPUID itself; the operating system's facts must agree with its choice: AMX tiles where the CPU
+    # has them, else the dot product where it measured faster (AMD), else widened FMAs (on Intel's AVX512_BF16 the
+    # dot product runs at half the FMAs' flops: engine/kernels/cpu_features.h).
+    amd = cpuinfo_field("vendor_id") == "AuthenticAMD"
+    want = AMX if can_run_amx_bf16() else DOT if can_run_bf16_dot() and amd else WIDEN
+    assert _path() == want, (cpuinfo_field("vendor_id"), torch.backends.cpu.get_cpu_capability())
+    assert int(torch.ops.bucketserve_cpu.linear_bf16_path(True)) == want
 
 
-def test_the_bf16_pass_can_be_pinned_where_the_cpu_runs_it_and_is_refused_elsewhere(skinny) -> None:
+def test_the_bf16_path_can_be_pinned_where_the_cpu_runs_it_and_is_refused_elsewhere(skinny) -> None:
     ops = torch.ops.bucketserve_cpu
-    default = _uses_bf16_dot()
+    default = _path()
     try:
-        ops.set_linear_bf16_dot(0)
-        assert not _uses_bf16_dot()
-        if can_run_bf16_dot():
-            ops.set_linear_bf16_dot(1)
-            assert _uses_bf16_dot()
-        else:
-            with pytest.raises(RuntimeError, match="no AVX"):
-                ops.set_linear_bf16_dot(1)
-            assert not _uses_bf16_dot()
+        for mode, runnable in ((WIDEN, True), (DOT, can_run_bf16_dot()), (AMX, can_run_amx_bf16())):
+            if runnable:
+                ops.set_linear_bf16_path(mode)
+                assert _path() == mode
+                assert int(ops.linear_bf16_path(True)) == default  # the default stays what it is
+            else:
+                ops.set_linear_bf16_path(WIDEN)
+                with pytest.raises(RuntimeError, match="no AVX|no AMX"):
+                    ops.set_linear_bf16_path(mode)
+                assert _path() == WIDEN
         with pytest.raises(RuntimeError, match="mode -1"):
-            ops.set_linear_bf16_dot(2)
+            ops.set_linear_bf16_path(3)
     finally:
-        ops.set_linear_bf16_dot(-1)
-    assert _uses_bf16_dot() is default
+        ops.set_linear_bf16_path(-1)
+    assert _path() == default

@@ -11,7 +11,7 @@ from engine.skinny_rows import AMX_BF16_ROWS, DEFAULT_ROWS, PREFETCHED_FP32_ROWS
 @pytest.mark.parametrize(
     ("dtype", "isa", "prefetch", "amx", "want"),
     [
-        ("bfloat16", "AVX512", True, True, AMX_BF16_ROWS),  # oneDNN on the matrix unit
+        ("bfloat16", "AVX2", True, True, AMX_BF16_ROWS),  # oneDNN on the matrix unit, the kernel on vectors
         ("bfloat16", "AVX512", True, False, DEFAULT_ROWS),
         ("float32", "AVX512", True, True, PREFETCHED_FP32_ROWS),  # AMX has no fp32 tiles
         ("float32", "AVX512", True, False, PREFETCHED_FP32_ROWS),
@@ -22,6 +22,13 @@ from engine.skinny_rows import AMX_BF16_ROWS, DEFAULT_ROWS, PREFETCHED_FP32_ROWS
 )
 def test_each_host_gets_the_limit_measured_for_it(dtype, isa, prefetch, amx, want) -> None:
     assert skinny_row_limit(dtype, isa, prefetch, amx) == want
+
+
+def test_bf16_on_amx_with_the_kernels_own_amx_pass_hands_over_at_the_default() -> None:
+    # both on the matrix unit: they meet near 64 rows (engine/skinny_rows.py)
+    assert skinny_row_limit("bfloat16", "AVX512", True, True, skinny_amx=True) == DEFAULT_ROWS
+    assert skinny_row_limit("bfloat16", "AVX512", True, True, skinny_amx=False) == AMX_BF16_ROWS
+    assert skinny_row_limit("float32", "AVX512", True, True, skinny_amx=True) == PREFETCHED_FP32_ROWS
 
 
 def test_the_limits_keep_their_order() -> None:

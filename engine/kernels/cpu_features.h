@@ -8,11 +8,17 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 // Functions that use VDPBF16PS are compiled for it one by one (the build targets only what torch detected, and a
 // whole-file -mavx512bf16 could let the compiler use the instruction set where the CPU lacks it); callers check
 // cpu_has_avx512_bf16 first (through Bf16Dot).
 #define BUCKETSERVE_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512bf16")))
+// The same for the AMX tile instructions (callers check amx_bf16_usable first).
+#define BUCKETSERVE_AMX_BF16 __attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16")))
 
 namespace bucketserve {
 
@@ -24,6 +30,24 @@ inline bool cpu_has_avx512_bf16() {
     return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) != 0 && ((eax >> 5) & 1u) != 0;
   }();
   return on;
+#else
+  return false;
+#endif
+}
+
+// Whether this process may use AMX bf16 tiles: the CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and
+// 22) and Linux granted the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, which a
+// process must request before its first tile instruction; asking again is harmless). Read once per process.
+inline bool amx_bf16_usable() {
+#if defined(__linux__) && defined(__x86_64__)
+  static const bool ok = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
+    if (((edx >> 22) & 1u) == 0 || ((edx >> 24) & 1u) == 0) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
 #else
   return false;
 #endif
@@ -52,8 +76,10 @@ inline bool cpu_is_amd() {
 // linear 0.48-0.90 and the attention tiles 0.82-0.93 of the widened code's time, but on a Xeon with AMX (Sapphire
 // Rapids class) the instruction issued at a quarter of the FMA's rate (1.8 against 7.0 G a second on one core,
 // independent chains), half the FMA's flops, and the same code took 1.25-1.41x / 1.27x as long. set() pins the
-// choice for the process (tests pin each path on any CPU that has the instruction); every kernel library keeps its
-// own Bf16Dot.
+// choice for the process (tests pin each path on any CPU that has the instruction). The paged attention keeps one
+// Bf16Dot; the skinny linear chooses among its three bf16 paths itself (linear_bf16_path).
+inline bool bf16_dot_pays() { return cpu_has_avx512_bf16() && cpu_is_amd(); }
+
 class Bf16Dot {
  public:
   // mode: -1 the CPU's default, 0 widen, 1 the dot product; build_has: the caller's build has the code that uses
@@ -67,7 +93,7 @@ class Bf16Dot {
   }
   bool on() const {
     const int m = mode_.load(std::memory_order_relaxed);
-    return m < 0 ? cpu_has_avx512_bf16() && cpu_is_amd() : m == 1;
+    return m < 0 ? bf16_dot_pays() : m == 1;
   }
 
  private:

@@ -1,7 +1,8 @@
 // A linear layer for few rows (decode batches): y[M, N] = x[M, K] . W[N, K]^T (+ bias), M <= ~64, fp32 or bf16
 // weights and rows (bf16 is widened exactly as it is read; the arithmetic is fp32, rounded once to x's dtype). bf16
-// rows over bf16 weights on an AMD CPU with AVX512_BF16 are multiplied in pairs of k steps by its dot-product
-// instruction instead (panel_rows_dot: exact products, fp32 sums; where it pays: cpu_features.h, Bf16Dot).
+// rows over bf16 weights are multiplied instead on AMX tiles where the CPU has them, from 5 rows (panels_amx), or on
+// an AMD CPU with AVX512_BF16 in pairs of k steps by its dot-product instruction (panel_rows_dot: exact products,
+// fp32 sums; where it pays: cpu_features.h). The path is chosen once per process (linear_bf16_path).
 //
 //   bucketserve_cpu::skinny_linear(x[M,K], panels[NP,K,16], bias[N]?, n) -> y[M,n]
 //
@@ -31,6 +32,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -147,7 +149,7 @@ inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restr
 // (k, k + 1) pairs per column, and x[m][k], x[m][k + 1] are broadcast as one 32-bit pair. The arithmetic is the
 // instruction's: each product exact in fp32, added in turn (k + 1, then k) with round-to-nearest-even, denormal
 // inputs and results flushed to zero. An odd K's last step is an FMA on widened values. Compiled for that
-// instruction set here only; called where the CPU has it and Bf16Dot chooses it (uses_bf16_dot).
+// instruction set here only; called where the CPU has it and it is the bf16 path (linear_bf16_path).
 template <int MR, int NP, bool kGated>
 BUCKETSERVE_BF16_DOT __attribute__((noinline)) void panel_rows_dot(
     const bf16_bits* __restrict x, int64_t ldx, const bf16_bits* __restrict w, int64_t K, const float* bias,
@@ -189,6 +191,120 @@ BUCKETSERVE_BF16_DOT __attribute__((noinline)) void panel_rows_dot(
     }
   }
   store_rows<MR, NP, kGated>(acc, mask, y, ldy);
+}
+
+// bf16 rows over bf16 weights on a CPU with AMX (amx_bf16_usable): the matrix unit multiplies a 16-row block of x
+// by a panel 32 k steps at a time (TDPBF16PS: a [rows, 32] bf16 tile times a [32, 16] one, pairs of k steps, into a
+// [rows, 16] fp32 tile), where the vector passes above take one FMA per row, column group and k step. The panel's
+// 32 rows of 16 bf16 (1 KB, contiguous) become the tile's 16 rows of (k, k + 1) pairs by one permute per 64-byte
+// line into a scratch tile (as panel_rows_dot pairs them in registers); x rows are read in place where K is a
+// multiple of 32, else from a zero-padded copy, and the panel's rows past K are zeros. Up to 32 rows (two row
+// blocks) a pass share each permuted panel; tiles: 0-1 x blocks, 2-3 panels, 4-7 results (block, panel). The
+// results start at the bias and end in the same epilogue as the vector passes' (store_rows' SiLU for a gated pair).
+// The instruction's arithmetic: products exact in fp32, sums in fp32, denormals flushed.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr int64_t kAmxK = 32;  // k steps per tile product
+constexpr int64_t kAmxRows = 16;  // rows per x block
+
+// Tiles for a pass of r0 + r1 rows (r1 = 0: one block).
+BUCKETSERVE_AMX_BF16 void amx_configure(int64_t r0, int64_t r1) {
+  TileConfig c;
+  const int64_t block[2] = {r0, r1};
+  for (int b = 0; b < 2; ++b) {
+    if (block[b] == 0) continue;
+    c.rows[b] = static_cast<uint8_t>(block[b]);  // x block: rows x 32 bf16
+    c.colsb[b] = 64;
+    for (int p = 0; p < 2; ++p) {  // results: rows x 16 fp32
+      c.rows[4 + 2 * b + p] = static_cast<uint8_t>(block[b]);
+      c.colsb[4 + 2 * b + p] = 64;
+    }
+  }
+  for (int p = 0; p < 2; ++p) {  // panels: 16 pairs of k steps x 16 columns
+    c.rows[2 + p] = 16;
+    c.colsb[2 + p] = 64;
+  }
+  // GCC does not count ldtilecfg as a read of c: without this the stores above are dropped as dead
+  asm volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
+BUCKETSERVE_AMX_BF16 void amx_release() { _tile_release(); }
+
+// Rows [0, r0 + r1) of x (bf16, row stride ldx, readable up to the next multiple of 32 past K) times np (1 or 2)
+// adjacent panels into out [2 blocks][2 panels][16 rows][16] fp32, each starting at start (the same layout: the
+// bias, or zeros). Tiles configured for (r0, r1) by amx_configure.
+BUCKETSERVE_AMX_BF16 __attribute__((noinline)) void panels_amx(const bf16_bits* x, int64_t ldx, int64_t r0,
+                                                                int64_t r1, const bf16_bits* w, int64_t K, int np,
+                                                                const float* start, float* out) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                              21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  alignas(64) bf16_bits tile[2][kAmxK * kPanel];  // the panels' k block as (k, k + 1) pairs per column
+  constexpr int64_t kTile = kAmxRows * kPanel;  // floats in one result tile
+  _tile_loadd(4, start, 64);
+  _tile_loadd(5, start + kTile, 64);
+  if (r1 > 0) {
+    _tile_loadd(6, start + 2 * kTile, 64);
+    _tile_loadd(7, start + 3 * kTile, 64);
+  }
+  const int64_t stride = K * kPanel;  // from one panel to the next
+  for (int64_t k0 = 0; k0 < K; k0 += kAmxK) {
+    const int64_t steps = std::min(kAmxK, K - k0);
+    for (int p = 0; p < np; ++p) {
+      const bf16_bits* src = w + p * stride + k0 * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(src + 4 * kAmxK * kPanel), _MM_HINT_T0);  // 4 KB ahead
+      for (int64_t r = 0; r < kAmxK / 2; ++r) {
+        const int64_t k = 2 * r;  // this line holds steps k and k + 1 (those past K read as zeros)
+        const __mmask32 keep = k + 1 < steps ? 0xFFFFFFFFu : (k < steps ? 0xFFFFu : 0u);
+        const __m512i v = _mm512_maskz_loadu_epi16(keep, src + k * kPanel);
+        _mm512_store_si512(tile[p] + r * 2 * kPanel, _mm512_permutexvar_epi16(interleave, v));
+      }
+    }
+    _tile_loadd(0, x + k0, ldx * 2);
+    _tile_loadd(2, tile[0], 64);
+    _tile_dpbf16ps(4, 0, 2);
+    if (r1 > 0) {
+      _tile_loadd(1, x + kAmxRows * ldx + k0, ldx * 2);
+      _tile_dpbf16ps(6, 1, 2);
+    }
+    if (np == 2) {
+      _tile_loadd(3, tile[1], 64);
+      _tile_dpbf16ps(5, 0, 3);
+      if (r1 > 0) _tile_dpbf16ps(7, 1, 3);
+    }
+  }
+  _tile_stored(4, out, 64);
+  _tile_stored(5, out + kTile, 64);
+  if (r1 > 0) {
+    _tile_stored(6, out + 2 * kTile, 64);
+    _tile_stored(7, out + 3 * kTile, 64);
+  }
+}
+
+// The results of panels_amx for rows [0, rows) of one block (out: [2 panels][16][16]) to y, as store_rows.
+template <bool kGated>
+inline void store_amx_rows(const float* out, int64_t rows, int np, float* y, int64_t ldy, int64_t cols) {
+  constexpr int64_t kTile = kAmxRows * kPanel;
+  __mmask16 mask[2];
+  for (int p = 0; p < 2; ++p) {
+    const int64_t c = std::clamp<int64_t>(cols - p * kPanel, 0, kPanel);
+    mask[p] = c >= kPanel ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << c) - 1);
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    if constexpr (kGated) {
+      using Vec = at::vec::Vectorized<float>;
+      const Vec g(_mm512_load_ps(out + m * kPanel));
+      const Vec h = g / (Vec(1.f) + g.neg().exp()) * Vec(_mm512_load_ps(out + kTile + m * kPanel));
+      _mm512_mask_storeu_ps(y + m * ldy, mask[0], static_cast<__m512>(h));
+    } else {
+      for (int p = 0; p < np; ++p)
+        _mm512_mask_storeu_ps(y + m * ldy + p * kPanel, mask[p], _mm512_load_ps(out + p * kTile + m * kPanel));
+    }
+  }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2: a 16-column panel is two 8-float registers. With 16 registers, a pass keeps MR x NP x 2 accumulators
@@ -450,20 +566,54 @@ inline void panels_all_rows(const XT* x, int64_t M, int64_t K, const WT* w, cons
 }
 
 #if defined(__AVX512F__)
-constexpr bool kDotBuild = true;
+constexpr bool kAvx512Build = true;
 #else
-constexpr bool kDotBuild = false;
+constexpr bool kAvx512Build = false;
 #endif
-bucketserve::Bf16Dot g_bf16_dot;
 
-// Whether bf16 rows over bf16 weights take the dot-product pass (panel_rows_dot): on AVX-512 builds, where
-// Bf16Dot says so (cpu_features.h: by default on AMD CPUs with AVX512_BF16).
-bool uses_bf16_dot() { return kDotBuild && g_bf16_dot.on(); }
+// How bf16 rows over bf16 weights are multiplied: widened to fp32 for FMAs (panel_rows), in pairs of k steps by
+// VDPBF16PS (panel_rows_dot) or on AMX tiles (panels_amx). The last two on AVX-512 builds only.
+enum Bf16Path : int { kWiden = 0, kDot = 1, kAmx = 2 };
+std::atomic<int> g_bf16_path{-1};  // pinned for the process (set_linear_bf16_path), or -1: the CPU's default
 
-// Pins that choice for this process (-1 the CPU's default, 0 widen, 1 the dot product).
-void set_bf16_dot(int64_t mode) {
-  const char* why = g_bf16_dot.set(mode, kDotBuild);
-  TORCH_CHECK(why == nullptr, "set_linear_bf16_dot: ", why);
+// The default: AMX tiles where the CPU has them (from kAmxMinRows rows), else the dot product where it pays
+// (bf16_dot_pays: AMD), else widened. On a 2-core Xeon with AMX, `small`'s four linears of a layer (bf16 weights
+// in its 480 MiB L3), paired in one process: AMX / widened 0.79-0.81 at 8 rows, 0.52 at 16, 0.37 at 32, 0.32 at
+// 64-128; AMX / oneDNN 0.53-0.58 at 1-8 rows, 0.63-0.64 at 16-32, 0.89-0.90 at 48-64, 0.97 at 96, 1.08 at 128
+// (skinny_rows.py gives where oneDNN takes over).
+int default_bf16_path() {
+  if (!kAvx512Build) return kWiden;
+  if (bucketserve::amx_bf16_usable()) return kAmx;
+  return bucketserve::bf16_dot_pays() ? kDot : kWiden;
+}
+
+// The path of bf16 rows over bf16 weights: the pinned one, or (or with default_only) the CPU's default.
+int64_t linear_bf16_path(bool default_only) {
+  const int m = g_bf16_path.load(std::memory_order_relaxed);
+  return m < 0 || default_only ? default_bf16_path() : m;
+}
+
+// By default the AMX pass takes M rows from this many on: below, the widened pass is faster (same host and linears,
+// paired: AMX / widened 1.12 / 1.08 / 1.04-1.06 at 1 / 2 / 4 rows, 0.95 / 0.88 / 0.79-0.81 at 5 / 6 / 8). A pinned
+// path takes every M.
+constexpr int64_t kAmxMinRows = 5;
+
+int bf16_path_for(int64_t M) {
+  const int m = g_bf16_path.load(std::memory_order_relaxed);
+  if (m >= 0) return m;
+  const int d = default_bf16_path();
+  return d == kAmx && M < kAmxMinRows ? kWiden : d;
+}
+
+// Pins the path for this process (tests run each one where the CPU can): -1 the CPU's default, else a Bf16Path.
+void set_linear_bf16_path(int64_t mode) {
+  const char* op = "set_linear_bf16_path: ";
+  TORCH_CHECK(mode >= -1 && mode <= kAmx, op, "mode -1 (the CPU's default), 0 (widen), 1 (dot product) or 2 (AMX)");
+  TORCH_CHECK(mode <= kWiden || kAvx512Build, op, "this build has no AVX-512 code");
+  TORCH_CHECK(mode != kDot || bucketserve::cpu_has_avx512_bf16(), op, "this CPU has no AVX512_BF16");
+  TORCH_CHECK(mode != kAmx || bucketserve::amx_bf16_usable(), op,
+              "this CPU has no AMX bf16 tiles (or the operating system did not grant them)");
+  g_bf16_path.store(static_cast<int>(mode), std::memory_order_relaxed);
 }
 
 // What both operators check and convert: fp32 rows, the panels' geometry, and the weight's element type. Results
@@ -474,8 +624,9 @@ void set_bf16_dot(int64_t mode) {
 // 1 / 8 / 16 rows (118 against 136, 206 against 223, 382 against 407 us): 3-10 us a call.
 struct Args {
   const float* x;  // [M, K] fp32, contiguous: x_in's own data, or its rows widened into this thread's buffer
-  const bf16_bits* xb;  // [M, K] bf16 rows as they are, for the dot-product pass (uses_bf16_dot); else null
+  const bf16_bits* xb;  // [M, K] bf16 rows as they are, for the dot-product or AMX pass; else null
   int64_t M, K, NP;
+  int path;  // a Bf16Path: how bf16 rows over bf16 weights are multiplied (kWiden for everything else)
   bool bf16;  // weight panels in bf16 (else fp32)
   at::Tensor keep;  // x_in, contiguous, when its own data is read (keeps it alive and contiguous for the call)
 };
@@ -497,18 +648,19 @@ Args check(const char* op, const at::Tensor& x_in, const at::Tensor& panels) {
   const bool bf16_weights = wt == at::kBFloat16;
   if (xt == at::kFloat) {
     at::Tensor x = x_in.contiguous();
-    return {x.const_data_ptr<float>(), nullptr, M, K, panels.size(0), bf16_weights, x};
+    return {x.const_data_ptr<float>(), nullptr, M, K, panels.size(0), kWiden, bf16_weights, x};
   }
   const at::Tensor x = x_in.contiguous();
-  if (bf16_weights && uses_bf16_dot()) {
+  const int path = bf16_weights ? bf16_path_for(M) : kWiden;
+  if (path != kWiden) {
     const auto* bits = reinterpret_cast<const bf16_bits*>(x.const_data_ptr<at::BFloat16>());
-    return {nullptr, bits, M, K, panels.size(0), true, x};
+    return {nullptr, bits, M, K, panels.size(0), path, true, x};
   }
   std::vector<float>& buf = thread_buffer(0);
   buf.resize(static_cast<size_t>(M * K));
   const at::BFloat16* src = x.const_data_ptr<at::BFloat16>();
   for (int64_t i = 0; i < M * K; ++i) buf[i] = static_cast<float>(src[i]);  // exact
-  return {buf.data(), nullptr, M, K, panels.size(0), bf16_weights, at::Tensor()};
+  return {buf.data(), nullptr, M, K, panels.size(0), kWiden, bf16_weights, at::Tensor()};
 }
 
 template <bool kGated, typename WT, bool kPf, typename XT>
@@ -531,6 +683,55 @@ void run_pairs(const Args& a, const XT* xp, const WT* wp, const float* bp, float
 }
 
 #if defined(__AVX512F__)
+// The AMX pass over all rows: threads take contiguous runs of panel pairs as run_pairs, and each pair goes through
+// panels_amx 32 rows at a time.
+template <bool kGated>
+void run_pairs_amx(const Args& a, const bf16_bits* wp, const float* bp, float* yp, int64_t n) {
+  const int64_t M = a.M, K = a.K;
+  // x rows as they are where whole tiles of K can be read from them, else zero-padded to a multiple of 32
+  const bf16_bits* x = a.xb;
+  int64_t ldx = K;
+  if (K % kAmxK != 0) {
+    thread_local std::vector<bf16_bits> padded;
+    ldx = (K + kAmxK - 1) / kAmxK * kAmxK;
+    padded.assign(static_cast<size_t>(M * ldx), 0);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(padded.data() + m * ldx, a.xb + m * K, K * sizeof(bf16_bits));
+    x = padded.data();
+  }
+  constexpr int64_t kTile = kAmxRows * kPanel;
+  const int64_t pairs = (a.NP + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
+    alignas(64) float start[4 * kTile];  // [block][panel][row][16]: the bias, or zeros
+    alignas(64) float out[4 * kTile];
+    int64_t tiles_for = -1;  // the pass shape (rows of its two blocks) the tiles are configured for
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t p = 2 * q, c0 = (kGated ? q : p) * kPanel;
+      const int np = p + 1 < a.NP ? 2 : 1;
+      for (int j = 0; j < 2; ++j)
+        for (int64_t r = 0; r < kAmxRows; ++r)
+          for (int64_t c = 0; c < kPanel; ++c) {
+            const int64_t col = c0 + j * kPanel + c;
+            const float b = bp != nullptr && j < np && col < n ? bp[col] : 0.f;
+            start[j * kTile + r * kPanel + c] = b;
+            start[(2 + j) * kTile + r * kPanel + c] = b;
+          }
+      for (int64_t m0 = 0; m0 < M; m0 += 2 * kAmxRows) {
+        const int64_t r0 = std::min(kAmxRows, M - m0), r1 = std::clamp<int64_t>(M - m0 - kAmxRows, 0, kAmxRows);
+        // passes of 32 rows share one configuration; only a shorter last pass needs another
+        const int64_t shape = r0 * 32 + r1;
+        if (shape != tiles_for) {
+          amx_configure(r0, r1);
+          tiles_for = shape;
+        }
+        panels_amx(x + m0 * ldx, ldx, r0, r1, wp + p * K * kPanel, K, np, start, out);
+        store_amx_rows<kGated>(out, r0, np, yp + m0 * n + c0, n, n - c0);
+        if (r1 > 0) store_amx_rows<kGated>(out + 2 * kTile, r1, np, yp + (m0 + kAmxRows) * n + c0, n, n - c0);
+      }
+    }
+    if (tiles_for >= 0) amx_release();
+  });
+}
+
 // Whether the AVX-512 pass prefetches fp32 weights itself: everywhere but on AMD CPUs (measured in panel_rows).
 bool cpu_wants_fp32_prefetch() { return !bucketserve::cpu_is_amd(); }
 #endif
@@ -563,7 +764,10 @@ at::Tensor run(const Args& a, const at::Tensor& x_in, const at::Tensor& panels, 
     const auto* wb = a.bf16 ? reinterpret_cast<const bf16_bits*>(panels.const_data_ptr<at::BFloat16>()) : nullptr;
     if (a.xb != nullptr) {
 #if defined(__AVX512F__)
-      run_pairs<kGated, bf16_bits, true>(a, a.xb, wb, bp, yp, n);
+      if (a.path == kAmx)
+        run_pairs_amx<kGated>(a, wb, bp, yp, n);
+      else
+        run_pairs<kGated, bf16_bits, true>(a, a.xb, wb, bp, yp, n);
 #endif
     } else if (a.bf16) {
       run_pairs<kGated, bf16_bits, true>(a, a.x, wb, bp, yp, n);
@@ -671,8 +875,8 @@ TORCH_LIBRARY_FRAGMENT(bucketserve_cpu, m) {
   m.def("remember_packed(int index, Tensor packed) -> ()");
   m.def("forget_packed(int index) -> ()");
   m.def("prefetches_fp32_weights() -> bool");
-  m.def("uses_bf16_dot() -> bool");
-  m.def("set_linear_bf16_dot(int mode) -> ()");
+  m.def("linear_bf16_path(bool default_only=False) -> int");
+  m.def("set_linear_bf16_path(int mode) -> ()");
   m.def("packed_linear(Tensor x, Tensor? panels, Tensor? bias, int n, int index, int max_rows) -> Tensor");
   m.def("gated_linear(Tensor x, Tensor panels, int n, int gate_index, int up_index, int max_rows) -> Tensor");
 }
@@ -689,6 +893,6 @@ TORCH_LIBRARY_IMPL(bucketserve_cpu, CatchAll, m) {
   m.impl("remember_packed", &remember_packed);
   m.impl("forget_packed", &forget_packed);
   m.impl("prefetches_fp32_weights", &prefetches_fp32_weights);
-  m.impl("uses_bf16_dot", &uses_bf16_dot);
-  m.impl("set_linear_bf16_dot", &set_bf16_dot);
+  m.impl("linear_bf16_path", &linear_bf16_path);
+  m.impl("set_linear_bf16_path", &set_linear_bf16_path);
 }

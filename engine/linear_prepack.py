@@ -19,8 +19,8 @@ accumulators; the kernel's ``panel_rows_dot``): on a 2-core Zen 4 EPYC `small`'s
 GEMM near 64 rows (0.76 of its time at 16, 0.90 at 32, 1.02 at 64). Intel's cores issue that instruction at a
 quarter of the FMA's rate (half its flops): on a 2-core Xeon with AMX the pass took 1.25-1.41x the widened one's
 time from 8 to 24 rows, so Intel CPUs widen (``engine/kernels/cpu_features.h``), or, where they have AMX, multiply
-bf16 rows from 5 on on the matrix unit: each panel's 32 k rows permuted into a tile of (k, k + 1) pairs, times a
-16-row tile of x (``panels_amx``). On a 2-core Xeon with AMX that took 0.52 of the widened pass's time at 16 rows
+calls of 5 bf16 rows or more on the matrix unit: each panel's 32 k rows permuted into a tile of (k, k + 1) pairs,
+times a 16-row tile of x (``panels_amx``). On a 2-core Xeon with AMX that took 0.52 of the widened pass's time at 16 rows
 and 0.32 at 64, 0.63 of oneDNN's AMX GEMM at 16-32 rows and 0.89 at 48-64. The panel copy costs one more copy of
 the linear weights.
 
@@ -118,7 +118,7 @@ def _dispatched_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 BF16_PATHS = {
     0: "widened to fp32 for FMAs",
     1: "multiplied in pairs by VDPBF16PS",
-    2: "multiplied on AMX tiles from 5 rows, widened below",
+    2: "multiplied on AMX tiles (the fewest rows widened)",
 }
 AMX_PATH = 2
 

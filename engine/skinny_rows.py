@@ -11,9 +11,10 @@ one process:
   unit then; on a 2-core Xeon with AMX (L3 480 MiB), three alternating rounds of steps against the limit of 16
   below: limits of 64 / 96 / 128 took 0.88 / 0.88 / 0.85 of the time at batch 32, 0.97 / 0.98 / 0.98 at 48,
   0.97 / 0.98 / 0.98 at 64, 0.99 / 1.01 / 1.00 at 96, 0.99 / 0.99 / 1.04 at 128.
-- bf16 on a CPU with AMX, the kernel without it (an AVX2 build there): 16 rows. There oneDNN multiplies bf16 on the matrix unit while the skinny kernel widens
-  to fp32 on the vector units: on the same Xeon a limit of 16 against 64 took 0.98 / 0.93 / 0.89 / 0.87 of the time
-  at batch 24 / 32 / 48 / 64 (8 rows: the same as 16 at batch 16), and 128 took 1.27-1.28x as long at batch 96-128.
+- bf16 on a CPU with AMX, the kernel without it (an AVX2 build there): 16 rows. There oneDNN multiplies bf16 on
+  the matrix unit while the skinny kernel widens to fp32 on the vector units: on the same Xeon a limit of 16
+  against 64 took 0.98 / 0.93 / 0.89 / 0.87 of the time at batch 24 / 32 / 48 / 64 (8 rows: the same as 16 at
+  batch 16), and 128 took 1.27-1.28x as long at batch 96-128.
   Again on such a Xeon (AMX, L3 480 MiB), four alternating rounds of steps against a limit of 16: a limit of 8 took
   1.15x as long at batch 12 and 0.98-1.01 at 16-32; limits of 24 and 32 took 1.07 and 1.08x as long at batch 24,
   and 32 took 1.19x at batch 32. (Intel CPUs widen bf16 rather than take the kernel's dot-product pass,

@@ -15,7 +15,7 @@
 
 // Functions that use VDPBF16PS are compiled for it one by one (the build targets only what torch detected, and a
 // whole-file -mavx512bf16 could let the compiler use the instruction set where the CPU lacks it); callers check
-// cpu_has_avx512_bf16 first (through Bf16Dot).
+// cpu_has_avx512_bf16 first (Bf16Dot, the skinny linear's bf16 path).
 #define BUCKETSERVE_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512bf16")))
 // The same for the AMX tile instructions (callers check amx_bf16_usable first).
 #define BUCKETSERVE_AMX_BF16 __attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16")))

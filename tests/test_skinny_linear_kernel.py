@@ -113,8 +113,8 @@ def test_bf16_weights_and_rows_are_widened_exactly(skinny, m: int, n: int, k: in
     bias = torch.randn(n, generator=gen).bfloat16()
     got = skinny(x, panel_layout(w), bias, n)
     assert got.dtype == torch.bfloat16
-    # fp32 sums of the exact bf16 values (widened, or multiplied in pairs by the CPU's bf16 dot product), rounded
-    # once to bf16: within one bf16 rounding of the float64 result
+    # fp32 sums of the exact bf16 values (widened, multiplied in pairs by the CPU's bf16 dot product, or on AMX
+    # tiles: whichever path this CPU takes by default), rounded once to bf16: within one bf16 rounding of float64
     want = _reference(x.float(), w.float(), bias.float())
     torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3 * want.abs().max().item())
     # fp32 rows over bf16 weights (mixed) give fp32

@@ -5,6 +5,7 @@ reference is the ``hf_reference`` fixture in conftest.py)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -62,13 +63,18 @@ def greedy_tokens(engine, prompts: list[list[int]], max_tokens: int) -> list[lis
     return [r.output_token_ids for r in reqs]
 
 
+@functools.cache
+def _cpuinfo_lines() -> tuple[str, ...] | None:
+    cpuinfo = Path("/proc/cpuinfo")
+    return tuple(cpuinfo.read_text().splitlines()) if cpuinfo.exists() else None
+
+
 def cpuinfo_field(name: str) -> str:
     """The first ``name`` line's value in /proc/cpuinfo ("flags", "vendor_id"); the test skips, saying why, where
     there is no such file (the kernels read CPUID themselves: tests check them against the operating system)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
+    lines = _cpuinfo_lines()
+    if lines is None:
         pytest.skip(f"no /proc/cpuinfo to read the CPU's {name} from")
-    lines = cpuinfo.read_text().splitlines()
     return next((line.split(":", 1)[1].strip() for line in lines if line.split(":")[0].strip() == name), "")
 
 

@@ -17,7 +17,7 @@
 // same two panels (64 KB at K = 512), which then come from L1/L2, not from memory. Threads take contiguous
 // runs of panel pairs, so each streams its own part of the weight once. Software prefetch runs 8 KB ahead on AVX2,
 // for bf16 weights, and for fp32 weights on AVX-512 except on AMD CPUs, whose hardware prefetchers do better alone
-// (see panel_rows; chosen once per process, cpu_wants_fp32_prefetch).
+// (see panel_rows; chosen once per process, prefetches_fp32_weights).
 //
 // Measured on a 2-core AVX-512 host, 2 threads, fp32, weights well beyond the caches (GB/s of weights read,
 // this kernel / oneDNN with a prepacked weight): [512 -> 1408] 30.5 / 24.5 at M = 1, 25.0 / 17.6 at M = 8,
@@ -109,8 +109,8 @@ inline void store_rows(const __m512 (&acc)[NP][MR], const __mmask16 (&mask)[NP],
 //   batch 64 level), bf16 0.96-0.99 / 1.06-1.07 / 1.00-1.01 (two runs);
 //   2-core Intel Xeon (Sapphire Rapids class, AMX, 480 MiB L3): fp32 batch 1 / 8 / 16 / 32 / 64 1.11-1.12 /
 //   1.15-1.20 / 1.12 / 1.06-1.08 / 1.04 of the time with it (two runs; 4 KB or 2 KB ahead did no better, 16 KB worse).
-// So bf16 weights are always prefetched, fp32 ones everywhere but on AMD (cpu_wants_fp32_prefetch, read once per
-// process; run instantiates both and takes one).
+// So bf16 weights are always prefetched, fp32 ones everywhere but on AMD (prefetches_fp32_weights, the vendor read
+// once per process; run instantiates both and takes one).
 //
 // ``next`` (or null): ``next_lines`` 64-byte lines to bring into L2 during the pass, one every kNextEvery k steps
 // (the next panel pair's, see panels_all_rows).
@@ -142,11 +142,19 @@ inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restr
   store_rows<MR, NP, kGated>(acc, mask, y, ldy);
 }
 
-// bf16 rows over bf16 weights where Bf16Dot chooses it (AMD CPUs with AVX512_BF16): VDPBF16PS multiplies 16 lanes
-// of bf16 pairs (two k steps) and adds both products into fp32 accumulators, so one instruction does the work of
-// two FMAs on widened values (on Zen 4 at the FMA's issue rate; Intel's issues it at a quarter of it).
-// A panel's two k rows k, k + 1 (16 bf16 each, adjacent) are one 64-byte load; one permute interleaves them into
-// (k, k + 1) pairs per column, and x[m][k], x[m][k + 1] are broadcast as one 32-bit pair. The arithmetic is the
+// A panel's k rows k, k + 1 (16 bf16 each, one 64-byte line) as (k, k + 1) pairs per column: word 2c + e of the
+// result is word 16e + c of the line. The layout VDPBF16PS and AMX tiles read their second operand in.
+inline __m512i k_pairs(__m512i line) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                              21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave, line);
+}
+
+// bf16 rows over bf16 weights where that is the bf16 path (by default on AMD CPUs with AVX512_BF16): VDPBF16PS
+// multiplies 16 lanes of bf16 pairs (two k steps) and adds both products into fp32 accumulators, so one instruction
+// does the work of two FMAs on widened values (on Zen 4 at the FMA's issue rate; Intel's issues it at a quarter of
+// it). A panel's two k rows k, k + 1 are one 64-byte load, paired per column by k_pairs, and x[m][k], x[m][k + 1]
+// are broadcast as one 32-bit pair. The arithmetic is the
 // instruction's: each product exact in fp32, added in turn (k + 1, then k) with round-to-nearest-even, denormal
 // inputs and results flushed to zero. An odd K's last step is an FMA on widened values. Compiled for that
 // instruction set here only; called where the CPU has it and it is the bf16 path (linear_bf16_path).
@@ -155,9 +163,6 @@ BUCKETSERVE_BF16_DOT __attribute__((noinline)) void panel_rows_dot(
     const bf16_bits* __restrict x, int64_t ldx, const bf16_bits* __restrict w, int64_t K, const float* bias,
     float* __restrict y, int64_t ldy, int64_t cols, const char* next, int64_t next_lines) {
   static_assert(!kGated || NP == 2, "a gated pass holds one gate and one up panel");
-  // word 2c + e of the result is word 16e + c of the load: column c's pair (k, k + 1)
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                              21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   constexpr int64_t ahead = kPrefetchLines * 2;  // k steps: about 8 KB of bf16 weights ahead, as panel_rows
   __m512 acc[NP][MR];
   __mmask16 mask[NP];
@@ -173,7 +178,7 @@ BUCKETSERVE_BF16_DOT __attribute__((noinline)) void panel_rows_dot(
     __m512i wv[NP];
     for (int p = 0; p < NP; ++p) {
       _mm_prefetch(reinterpret_cast<const char*>(w + p * stride + (k + ahead) * kPanel), _MM_HINT_T0);
-      wv[p] = _mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(w + p * stride + k * kPanel));
+      wv[p] = k_pairs(_mm512_loadu_si512(w + p * stride + k * kPanel));
     }
     for (int m = 0; m < MR; ++m) {
       int32_t pair;
@@ -197,7 +202,7 @@ BUCKETSERVE_BF16_DOT __attribute__((noinline)) void panel_rows_dot(
 // by a panel 32 k steps at a time (TDPBF16PS: a [rows, 32] bf16 tile times a [32, 16] one, pairs of k steps, into a
 // [rows, 16] fp32 tile), where the vector passes above take one FMA per row, column group and k step. The panel's
 // 32 rows of 16 bf16 (1 KB, contiguous) become the tile's 16 rows of (k, k + 1) pairs by one permute per 64-byte
-// line into a scratch tile (as panel_rows_dot pairs them in registers); x rows are read in place where K is a
+// line into a scratch tile (k_pairs, as in panel_rows_dot); x rows are read in place where K is a
 // multiple of 32, else from a zero-padded copy, and the panel's rows past K are zeros. Up to 32 rows (two row
 // blocks) a pass share each permuted panel; tiles: 0-1 x blocks, 2-3 panels, 4-7 results (block, panel). The
 // results start at the bias and end in the same epilogue as the vector passes' (store_rows' SiLU for a gated pair).
@@ -210,6 +215,7 @@ struct alignas(64) TileConfig {
 
 constexpr int64_t kAmxK = 32;  // k steps per tile product
 constexpr int64_t kAmxRows = 16;  // rows per x block
+constexpr int64_t kTile = kAmxRows * kPanel;  // floats in one result tile
 
 // Tiles for a pass of r0 + r1 rows (r1 = 0: one block).
 BUCKETSERVE_AMX_BF16 void amx_configure(int64_t r0, int64_t r1) {
@@ -241,10 +247,7 @@ BUCKETSERVE_AMX_BF16 void amx_release() { _tile_release(); }
 BUCKETSERVE_AMX_BF16 __attribute__((noinline)) void panels_amx(const bf16_bits* x, int64_t ldx, int64_t r0,
                                                                 int64_t r1, const bf16_bits* w, int64_t K, int np,
                                                                 const float* start, float* out) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                              21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   alignas(64) bf16_bits tile[2][kAmxK * kPanel];  // the panels' k block as (k, k + 1) pairs per column
-  constexpr int64_t kTile = kAmxRows * kPanel;  // floats in one result tile
   _tile_loadd(4, start, 64);
   _tile_loadd(5, start + kTile, 64);
   if (r1 > 0) {
@@ -261,7 +264,7 @@ BUCKETSERVE_AMX_BF16 __attribute__((noinline)) void panels_amx(const bf16_bits* 
         const int64_t k = 2 * r;  // this line holds steps k and k + 1 (those past K read as zeros)
         const __mmask32 keep = k + 1 < steps ? 0xFFFFFFFFu : (k < steps ? 0xFFFFu : 0u);
         const __m512i v = _mm512_maskz_loadu_epi16(keep, src + k * kPanel);
-        _mm512_store_si512(tile[p] + r * 2 * kPanel, _mm512_permutexvar_epi16(interleave, v));
+        _mm512_store_si512(tile[p] + r * 2 * kPanel, k_pairs(v));
       }
     }
     _tile_loadd(0, x + k0, ldx * 2);
@@ -288,7 +291,6 @@ BUCKETSERVE_AMX_BF16 __attribute__((noinline)) void panels_amx(const bf16_bits* 
 // The results of panels_amx for rows [0, rows) of one block (out: [2 panels][16][16]) to y, as store_rows.
 template <bool kGated>
 inline void store_amx_rows(const float* out, int64_t rows, int np, float* y, int64_t ldy, int64_t cols) {
-  constexpr int64_t kTile = kAmxRows * kPanel;
   __mmask16 mask[2];
   for (int p = 0; p < 2; ++p) {
     const int64_t c = std::clamp<int64_t>(cols - p * kPanel, 0, kPanel);
@@ -698,7 +700,6 @@ void run_pairs_amx(const Args& a, const bf16_bits* wp, const float* bp, float* y
     for (int64_t m = 0; m < M; ++m) std::memcpy(padded.data() + m * ldx, a.xb + m * K, K * sizeof(bf16_bits));
     x = padded.data();
   }
-  constexpr int64_t kTile = kAmxRows * kPanel;
   const int64_t pairs = (a.NP + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
     alignas(64) float start[4 * kTile];  // [block][panel][row][16]: the bias, or zeros
@@ -732,15 +733,13 @@ void run_pairs_amx(const Args& a, const bf16_bits* wp, const float* bp, float* y
   });
 }
 
-// Whether the AVX-512 pass prefetches fp32 weights itself: everywhere but on AMD CPUs (measured in panel_rows).
-bool cpu_wants_fp32_prefetch() { return !bucketserve::cpu_is_amd(); }
 #endif
 
-// What this build does with fp32 weights: the AVX-512 pass as chosen above, the AVX2 pass always prefetches, the
-// portable one never.
+// What this build does with fp32 weights: the AVX-512 pass prefetches them everywhere but on AMD CPUs (measured in
+// panel_rows), the AVX2 pass always, the portable one never.
 bool prefetches_fp32_weights() {
 #if defined(__AVX512F__)
-  return cpu_wants_fp32_prefetch();
+  return !bucketserve::cpu_is_amd();
 #elif defined(__AVX2__) && defined(__FMA__)
   return true;
 #else

@@ -19,8 +19,8 @@ accumulators; the kernel's ``panel_rows_dot``): on a 2-core Zen 4 EPYC `small`'s
 GEMM near 64 rows (0.76 of its time at 16, 0.90 at 32, 1.02 at 64). Intel's cores issue that instruction at a
 quarter of the FMA's rate (half its flops): on a 2-core Xeon with AMX the pass took 1.25-1.41x the widened one's
 time from 8 to 24 rows, so Intel CPUs widen (``engine/kernels/cpu_features.h``), or, where they have AMX, multiply
-calls of 5 bf16 rows or more on the matrix unit: each panel's 32 k rows permuted into a tile of (k, k + 1) pairs,
-times a 16-row tile of x (``panels_amx``). On a 2-core Xeon with AMX that took 0.52 of the widened pass's time at 16 rows
+calls of 5 bf16 rows or more on the matrix unit: each panel's 32 k steps, stored as (k, k + 1) pairs per column
+(``panel_layout``), loaded as one tile times a 16-row tile of x (``panels_amx``). On a 2-core Xeon with AMX that took 0.52 of the widened pass's time at 16 rows
 and 0.32 at 64, 0.63 of oneDNN's AMX GEMM at 16-32 rows and 0.89 at 48-64. The panel copy costs one more copy of
 the linear weights.
 
@@ -145,13 +145,24 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def panel_layout(w: torch.Tensor) -> torch.Tensor:
-    """A weight [N, K] as the skinny kernel's column panels [ceil(N / 16), K, 16], zero-padded past N."""
+    """A weight [N, K] as the skinny kernel's column panels [ceil(N / 16), K, 16], zero-padded past N.
+
+    fp32 panels hold one k step per 16 values. bf16 panels hold two k steps per 32 values, as (k, k + 1) pairs
+    per column (an odd K's last step alone in its 16): the layout the CPU's bf16 pair instructions and AMX tiles
+    read, so the kernel never rearranges a weight line while it streams."""
     n, k = w.shape
     panels = -(-n // SKINNY_PANEL)
     padded = w.new_zeros(panels * SKINNY_PANEL, k)
     padded[:n] = w
+    steps = padded.view(panels, SKINNY_PANEL, k).transpose(1, 2)  # [NP, K, 16]
+    if w.dtype == torch.bfloat16 and k >= 2:
+        even = k - k % 2
+        pairs = (
+            steps[:, :even].reshape(panels, even // 2, 2, SKINNY_PANEL).transpose(2, 3)
+        )  # [NP, K/2, 16, 2]
+        steps = torch.cat([pairs.reshape(panels, even, SKINNY_PANEL), steps[:, even:]], 1)
     # Decode steps stream these panels: on huge pages where the kernel has them (engine.huge_pages).
-    return huge_pages.contiguous(padded.view(panels, SKINNY_PANEL, k).transpose(1, 2))  # [NP, K, 16]
+    return huge_pages.contiguous(steps)  # [NP, K, 16]
 
 
 def _kernels():

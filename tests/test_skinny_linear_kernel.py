@@ -121,6 +121,43 @@ def test_bf16_weights_and_rows_are_widened_exactly(skinny, m: int, n: int, k: in
     assert skinny(x.float(), panel_layout(w), None, n).dtype == torch.float32
 
 
+@pytest.mark.parametrize("k", [1, 2, 37, 64])
+def test_bf16_panels_hold_pairs_of_k_steps_per_column(k: int) -> None:
+    # fp32 panels: [p, k, c] = W[16p + c, k]. bf16: each two k steps' 32 values as (k, k + 1) pairs per column
+    # (the order the CPU's pair instructions and AMX tiles read), an odd K's last step alone in its 16 values.
+    w = (torch.arange(20 * k) % 251).float().view(20, k)  # every value exact in bf16, neighbours distinct
+    fp32 = panel_layout(w)
+    assert torch.equal(fp32.transpose(1, 2).reshape(-1, k)[:20], w)
+    bf16 = panel_layout(w.bfloat16()).float()
+    assert bf16.shape == (2, k, 16)
+    for p in range(2):
+        for c in range(16):
+            col = w[16 * p + c] if 16 * p + c < 20 else torch.zeros(k)
+            for j in range(k):
+                row, word = (j // 2 * 2, 2 * c + j % 2) if j + (j % 2 == 0) < k else (j, c)
+                assert bf16[p].flatten()[row * 16 + word] == col[j], (p, c, j)
+
+
+@pytest.mark.parametrize("m", [1, 5, 13, 40])
+@pytest.mark.parametrize(("n", "k"), [(100, 37), (1408, 512), (40, 1)])
+def test_bf16_weights_widen_to_the_fp32_weights_bits(skinny, m: int, n: int, k: int) -> None:
+    # fp32 rows over bf16 weights are widened exactly and summed in the fp32 pass's order, whatever the bf16
+    # panel's pair layout: the same bits as the fp32 weights holding the same values (plain and gated).
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen)
+    assert torch.equal(skinny(x, panel_layout(w), bias, n), skinny(x, panel_layout(w.float()), bias, n))
+    half = n // 2
+    silu_mul = torch.ops.bucketserve_cpu.skinny_silu_mul
+
+    def gated(v: torch.Tensor) -> torch.Tensor:
+        pairs = torch.stack([panel_layout(v[:half]), panel_layout(v[half : 2 * half])], 1).flatten(0, 1)
+        return silu_mul(x, pairs, half)
+
+    assert torch.equal(gated(w), gated(w.float()))
+
+
 def _pin_dot(dot: bool):
     return pinned_bf16_dot(torch.ops.bucketserve_cpu.set_linear_bf16_path, dot)
 

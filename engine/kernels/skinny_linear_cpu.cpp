@@ -11,8 +11,11 @@
 // M reaches. oneDNN's GEMM, blocked for large M, reads the weights here at 55-75% of this kernel's rate.
 //
 // Layout: the weight is stored as NP = ceil(N / 16) column panels, panel p holding output columns
-// 16p .. 16p+15 as [K][16] (one 64-byte line per k, zero-padded past N): a panel is one forward stream of K
-// lines. A pass takes two adjacent panels and up to 12 rows: per k, two lines of W are loaded and each
+// 16p .. 16p+15 as [K][16] (zero-padded past N): a panel is one forward stream of 64-byte lines. fp32: one line
+// per k. bf16: one line per two k steps, as (k, k + 1) pairs per column (word 2c + e of the line for steps 2r, 2r + 1
+// is W[16p + c][2r + e]), with an odd K's last step alone in the first half of its line: the layout VDPBF16PS and
+// AMX tiles take their second operand in, so neither rearranges a line, and the widened pass splits a line into its
+// two k steps with one shift and one mask. A pass takes two adjacent panels and up to 12 rows: per k, two lines of W are loaded and each
 // x[m][k] is broadcast once into two FMAs, 24 accumulators in registers. More rows make more passes over the
 // same two panels (64 KB at K = 512), which then come from L1/L2, not from memory. Threads take contiguous
 // runs of panel pairs, so each streams its own part of the weight once. Software prefetch runs 8 KB ahead on AVX2,
@@ -64,10 +67,17 @@ template <>
 inline __m512 load_w<float>(const float* p) {
   return _mm512_loadu_ps(p);
 }
+// An odd K's last bf16 step: 16 words alone, widened.
 template <>
 inline __m512 load_w<bf16_bits>(const bf16_bits* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// A bf16 line of (k, k + 1) pairs as the two steps' 16 fp32 weights each (exact: a bf16 is an fp32's top half).
+inline void widen_pairs(__m512i line, __m512& even, __m512& odd) {
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(line, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(line, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
 }
 
 // A pass's accumulators start at the bias (or zero); mask[p] keeps the panel's columns that exist (cols of them
@@ -125,7 +135,24 @@ inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restr
   __mmask16 mask[NP];
   start_rows<MR, NP>(acc, mask, bias, cols);
   const int64_t stride = K * kPanel;  // from one panel to the next
-  for (int64_t k = 0; k < K; ++k) {
+  int64_t k = 0;
+  if constexpr (std::is_same_v<WT, bf16_bits>) {
+    // Two k steps a line; each accumulator still adds step k's product, then step k + 1's.
+    for (; k + 1 < K; k += 2) {
+      if (next != nullptr && k / kNextEvery < next_lines) _mm_prefetch(next + (k / kNextEvery) * 64, _MM_HINT_T1);
+      __m512 w0[NP], w1[NP];
+      for (int p = 0; p < NP; ++p) {
+        if constexpr (kPrefetch)
+          _mm_prefetch(reinterpret_cast<const char*>(w + p * stride + (k + ahead) * kPanel), _MM_HINT_T0);
+        widen_pairs(_mm512_loadu_si512(w + p * stride + k * kPanel), w0[p], w1[p]);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512 x0 = _mm512_set1_ps(x[m * ldx + k]), x1 = _mm512_set1_ps(x[m * ldx + k + 1]);
+        for (int p = 0; p < NP; ++p) acc[p][m] = _mm512_fmadd_ps(x1, w1[p], _mm512_fmadd_ps(x0, w0[p], acc[p][m]));
+      }
+    }
+  }
+  for (; k < K; ++k) {  // fp32: every step; bf16: an odd K's last
     if (next != nullptr && k % kNextEvery == 0 && k / kNextEvery < next_lines)
       _mm_prefetch(next + (k / kNextEvery) * 64, _MM_HINT_T1);
     __m512 wv[NP];
@@ -142,19 +169,11 @@ inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restr
   store_rows<MR, NP, kGated>(acc, mask, y, ldy);
 }
 
-// A panel's k rows k, k + 1 (16 bf16 each, one 64-byte line) as (k, k + 1) pairs per column: word 2c + e of the
-// result is word 16e + c of the line. The layout VDPBF16PS and AMX tiles read their second operand in.
-inline __m512i k_pairs(__m512i line) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                              21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(interleave, line);
-}
-
 // bf16 rows over bf16 weights where that is the bf16 path (by default on AMD CPUs with AVX512_BF16): VDPBF16PS
 // multiplies 16 lanes of bf16 pairs (two k steps) and adds both products into fp32 accumulators, so one instruction
 // does the work of two FMAs on widened values (on Zen 4 at the FMA's issue rate; Intel's issues it at a quarter of
-// it). A panel's two k rows k, k + 1 are one 64-byte load, paired per column by k_pairs, and x[m][k], x[m][k + 1]
-// are broadcast as one 32-bit pair. The arithmetic is the
+// it). A panel's line holds steps k, k + 1 as the pairs it takes, and x[m][k], x[m][k + 1] are broadcast as one
+// 32-bit pair. The arithmetic is the
 // instruction's: each product exact in fp32, added in turn (k + 1, then k) with round-to-nearest-even, denormal
 // inputs and results flushed to zero. An odd K's last step is an FMA on widened values. Compiled for that
 // instruction set here only; called where the CPU has it and it is the bf16 path (linear_bf16_path).
@@ -178,7 +197,7 @@ BUCKETSERVE_BF16_DOT __attribute__((noinline)) void panel_rows_dot(
     __m512i wv[NP];
     for (int p = 0; p < NP; ++p) {
       _mm_prefetch(reinterpret_cast<const char*>(w + p * stride + (k + ahead) * kPanel), _MM_HINT_T0);
-      wv[p] = k_pairs(_mm512_loadu_si512(w + p * stride + k * kPanel));
+      wv[p] = _mm512_loadu_si512(w + p * stride + k * kPanel);
     }
     for (int m = 0; m < MR; ++m) {
       int32_t pair;
@@ -200,11 +219,10 @@ BUCKETSERVE_BF16_DOT __attribute__((noinline)) void panel_rows_dot(
 
 // bf16 rows over bf16 weights on a CPU with AMX (amx_bf16_usable): the matrix unit multiplies a 16-row block of x
 // by a panel 32 k steps at a time (TDPBF16PS: a [rows, 32] bf16 tile times a [32, 16] one, pairs of k steps, into a
-// [rows, 16] fp32 tile), where the vector passes above take one FMA per row, column group and k step. The panel's
-// 32 rows of 16 bf16 (1 KB, contiguous) become the tile's 16 rows of (k, k + 1) pairs by one permute per 64-byte
-// line into a scratch tile (k_pairs, as in panel_rows_dot); x rows are read in place where K is a
-// multiple of 32, else from a zero-padded copy, and the panel's rows past K are zeros. Up to 32 rows (two row
-// blocks) a pass share each permuted panel; tiles: 0-1 x blocks, 2-3 panels, 4-7 results (block, panel). The
+// [rows, 16] fp32 tile), where the vector passes above take one FMA per row, column group and k step. A panel's
+// 32 steps (16 lines of (k, k + 1) pairs, 1 KB, contiguous) are the tile as they are, loaded in place; only a last
+// block of fewer than 32 steps is copied, zero-padded. x rows are read in place where K is a multiple of 32, else
+// from a zero-padded copy. Up to 32 rows (two row blocks) a pass share each panel tile; tiles: 0-1 x blocks, 2-3 panels, 4-7 results (block, panel). The
 // results start at the bias and end in the same epilogue as the vector passes' (store_rows' SiLU for a gated pair).
 // The instruction's arithmetic: products exact in fp32, sums in fp32, denormals flushed.
 struct alignas(64) TileConfig {
@@ -247,7 +265,7 @@ BUCKETSERVE_AMX_BF16 void amx_release() { _tile_release(); }
 BUCKETSERVE_AMX_BF16 __attribute__((noinline)) void panels_amx(const bf16_bits* x, int64_t ldx, int64_t r0,
                                                                 int64_t r1, const bf16_bits* w, int64_t K, int np,
                                                                 const float* start, float* out) {
-  alignas(64) bf16_bits tile[2][kAmxK * kPanel];  // the panels' k block as (k, k + 1) pairs per column
+  alignas(64) bf16_bits tail[2][kAmxK * kPanel];  // a last k block shorter than 32 steps, zero-padded
   _tile_loadd(4, start, 64);
   _tile_loadd(5, start + kTile, 64);
   if (r1 > 0) {
@@ -257,25 +275,32 @@ BUCKETSERVE_AMX_BF16 __attribute__((noinline)) void panels_amx(const bf16_bits* 
   const int64_t stride = K * kPanel;  // from one panel to the next
   for (int64_t k0 = 0; k0 < K; k0 += kAmxK) {
     const int64_t steps = std::min(kAmxK, K - k0);
+    const bf16_bits* panel[2];  // this k block of each panel: 16 lines of (k, k + 1) pairs, 64 bytes apart
     for (int p = 0; p < np; ++p) {
-      const bf16_bits* src = w + p * stride + k0 * kPanel;
-      _mm_prefetch(reinterpret_cast<const char*>(src + 4 * kAmxK * kPanel), _MM_HINT_T0);  // 4 KB ahead
+      panel[p] = w + p * stride + k0 * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(panel[p] + 4 * kAmxK * kPanel), _MM_HINT_T0);  // 4 KB ahead
+      if (steps == kAmxK) continue;
+      // Steps past K must multiply as zeros, and the panel's end is the next panel's (or the tensor's) start.
       for (int64_t r = 0; r < kAmxK / 2; ++r) {
-        const int64_t k = 2 * r;  // this line holds steps k and k + 1 (those past K read as zeros)
-        const __mmask32 keep = k + 1 < steps ? 0xFFFFFFFFu : (k < steps ? 0xFFFFu : 0u);
-        const __m512i v = _mm512_maskz_loadu_epi16(keep, src + k * kPanel);
-        _mm512_store_si512(tile[p] + r * 2 * kPanel, k_pairs(v));
+        const int64_t k = 2 * r;
+        __m512i v = _mm512_setzero_si512();
+        if (k + 1 < steps)
+          v = _mm512_loadu_si512(panel[p] + k * kPanel);
+        else if (k < steps)  // an odd K's last step, alone in its line: paired with a zero
+          v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel[p] + k * kPanel)));
+        _mm512_store_si512(tail[p] + r * 2 * kPanel, v);
       }
+      panel[p] = tail[p];
     }
     _tile_loadd(0, x + k0, ldx * 2);
-    _tile_loadd(2, tile[0], 64);
+    _tile_loadd(2, panel[0], 64);
     _tile_dpbf16ps(4, 0, 2);
     if (r1 > 0) {
       _tile_loadd(1, x + kAmxRows * ldx + k0, ldx * 2);
       _tile_dpbf16ps(6, 1, 2);
     }
     if (np == 2) {
-      _tile_loadd(3, tile[1], 64);
+      _tile_loadd(3, panel[1], 64);
       _tile_dpbf16ps(5, 0, 3);
       if (r1 > 0) _tile_dpbf16ps(7, 1, 3);
     }
@@ -311,17 +336,29 @@ inline void store_amx_rows(const float* out, int64_t rows, int np, float* y, int
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2: a 16-column panel is two 8-float registers. With 16 registers, a pass keeps MR x NP x 2 accumulators
 // (kRowBlock below: 3 rows x 2 panels = 12), two weight halves per panel and one broadcast.
+// Step k of a panel (w: the pass's first step, an even one; the first `paired` steps lie in lines of pairs).
 template <typename WT>
-inline void load_w(const WT* p, __m256& lo, __m256& hi);
+inline void load_w(const WT* w, int64_t k, int64_t paired, __m256& lo, __m256& hi);
 template <>
-inline void load_w<float>(const float* p, __m256& lo, __m256& hi) {
-  lo = _mm256_loadu_ps(p);
-  hi = _mm256_loadu_ps(p + 8);
+inline void load_w<float>(const float* w, int64_t k, int64_t, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(w + k * kPanel);
+  hi = _mm256_loadu_ps(w + k * kPanel + 8);
 }
 template <>
-inline void load_w<bf16_bits>(const bf16_bits* p, __m256& lo, __m256& hi) {
-  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8));
+inline void load_w<bf16_bits>(const bf16_bits* w, int64_t k, int64_t paired, __m256& lo, __m256& hi) {
+  if (k < paired) {  // the low (even k) or high (odd k) halves of the line's 32-bit pairs
+    const bf16_bits* line = w + (k & ~int64_t{1}) * kPanel;
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));  // columns 0-7
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 16));  // columns 8-15
+    const __m128i shift = _mm_cvtsi32_si128(k & 1 ? 0 : 16);
+    const __m256i top = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    lo = _mm256_castsi256_ps(_mm256_and_si256(_mm256_sll_epi32(a, shift), top));
+    hi = _mm256_castsi256_ps(_mm256_and_si256(_mm256_sll_epi32(b, shift), top));
+    return;
+  }
+  // an odd K's last step, alone
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * kPanel + 8));
   lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16));
   hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
 }
@@ -380,14 +417,16 @@ inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restr
   }
   const int64_t stride = K * kPanel;  // from one panel to the next
   const int64_t n_steps = steps < 0 ? K : steps;
+  // A pass starts at an even step, so only an odd K's last step (the last of an odd count) is not in a pair.
+  const int64_t paired = n_steps & ~int64_t{1};
   for (int64_t k = 0; k < n_steps; ++k) {
     const WT* w0 = w + k * kPanel;
     _mm_prefetch(reinterpret_cast<const char*>(w0 + ahead * kPanel), _MM_HINT_T0);
     __m256 w0l, w0h, w1l = _mm256_setzero_ps(), w1h = w1l;
-    load_w<WT>(w0, w0l, w0h);
+    load_w<WT>(w, k, paired, w0l, w0h);
     if constexpr (NP == 2) {
       _mm_prefetch(reinterpret_cast<const char*>(w0 + stride + ahead * kPanel), _MM_HINT_T0);
-      load_w<WT>(w0 + stride, w1l, w1h);
+      load_w<WT>(w + stride, k, paired, w1l, w1h);
     }
     __m256 xv = _mm256_broadcast_ss(x + k);
     a0l = _mm256_fmadd_ps(xv, w0l, a0l), a0h = _mm256_fmadd_ps(xv, w0h, a0h);
@@ -426,9 +465,12 @@ inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restr
   }
 }
 #else
-inline float widen(float v) { return v; }
-inline float widen(bf16_bits v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
+// Weight (k, c) of a panel of K steps: fp32 one row per step; bf16 in (k, k + 1) pairs per column, an odd K's last
+// step alone.
+inline float weight_at(const float* panel, int64_t k, int64_t c, int64_t) { return panel[k * kPanel + c]; }
+inline float weight_at(const bf16_bits* panel, int64_t k, int64_t c, int64_t K) {
+  const int64_t i = (k | 1) < K ? (k & ~int64_t{1}) * kPanel + 2 * c + (k & 1) : k * kPanel + c;
+  uint32_t bits = static_cast<uint32_t>(panel[i]) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
@@ -443,9 +485,9 @@ inline void panel_rows(const float* x, int64_t ldx, const WT* w, int64_t K, cons
       float s[2];
       for (int p = 0; p < (kGated ? 2 : 1); ++p) {
         const int64_t cc = kGated ? c + p * kPanel : c;
-        const WT* wp = w + (cc / kPanel) * K * kPanel + cc % kPanel;
+        const WT* wp = w + (cc / kPanel) * K * kPanel;
         s[p] = bias ? bias[cc] : 0.f;
-        for (int64_t k = 0; k < K; ++k) s[p] += x[m * ldx + k] * widen(wp[k * kPanel]);
+        for (int64_t k = 0; k < K; ++k) s[p] += x[m * ldx + k] * weight_at(wp, k, cc % kPanel, K);
       }
       y[m * ldy + c] = kGated ? s[0] / (1.f + std::exp(-s[0])) * s[1] : s[0];
     }
@@ -490,6 +532,7 @@ inline void rows_tail(const XT* x, int64_t K, const WT* w, const float* bias, fl
 // step 8.1 / 8.1 ms against 11.3 / 10.8 whole-K (its linears 4.9 / 4.0 ms a step against 6.1 / 6.3); batch 32,
 // where the linears are bound by the FMA rate, the same (25.1 / 23.4 against 25.2 / 22.7).
 constexpr int64_t kKBlock = 64;
+static_assert(kKBlock % 2 == 0, "a block must start at an even step: bf16 lines hold pairs of steps");
 constexpr int64_t kBlockedRowsMax = 64;  // the buffer: 8 KB
 
 template <int NP, bool kGated, typename WT>

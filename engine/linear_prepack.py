@@ -19,9 +19,10 @@ accumulators; the kernel's ``panel_rows_dot``): on a 2-core Zen 4 EPYC `small`'s
 GEMM near 64 rows (0.76 of its time at 16, 0.90 at 32, 1.02 at 64). Intel's cores issue that instruction at a
 quarter of the FMA's rate (half its flops): on a 2-core Xeon with AMX the pass took 1.25-1.41x the widened one's
 time from 8 to 24 rows, so Intel CPUs widen (``engine/kernels/cpu_features.h``), or, where they have AMX, multiply
-calls of 5 bf16 rows or more on the matrix unit: each panel's 32 k steps, stored as (k, k + 1) pairs per column
-(``panel_layout``), loaded as one tile times a 16-row tile of x (``panels_amx``). On a 2-core Xeon with AMX that took 0.52 of the widened pass's time at 16 rows
-and 0.32 at 64, 0.63 of oneDNN's AMX GEMM at 16-32 rows and 0.89 at 48-64. The panel copy costs one more copy of
+calls of 2 bf16 rows or more on the matrix unit: each panel's 32 k steps, stored as (k, k + 1) pairs per column
+(``panel_layout``), loaded as one tile times a 16-row tile of x (``panels_amx``). On a 2-core Xeon with AMX that
+took 0.52 of the widened pass's time at 16 rows and 0.32 at 64, 0.63 of oneDNN's AMX GEMM at 16-32 rows and 0.89 at
+48-64 (measured before the pair layout, when each line was permuted first). The panel copy costs one more copy of
 the linear weights.
 
 The model classes stay transformers' own: only each linear module's ``forward`` is replaced, on the instance,

@@ -88,8 +88,8 @@ def test_a_row_gets_the_same_bits_in_any_batch(
     skinny, m: int, n: int, k: int, dtype: torch.dtype, path: int
 ) -> None:
     # On each path every accumulator sums its products in the same order from the bias, however many rows share a
-    # pass: a decode's result does not depend on the batch it runs in. (By default on AMX hosts bf16 batches under
-    # 5 rows take the widened path, 5 and more AMX tiles: test_amx_takes_bf16_rows_from_five_by_default.)
+    # pass: a decode's result does not depend on the batch it runs in. (By default on AMX hosts a single bf16 row
+    # takes the widened path, 2 and more AMX tiles: test_amx_takes_bf16_rows_from_two_by_default.)
     with _pin_path(path):
         _check_batch_invariance(skinny, m, n, k, dtype)
 
@@ -173,15 +173,15 @@ def _pin_path(path: int):
     return _pin_amx() if path == AMX else _pin_dot(path == DOT)
 
 
-def test_amx_takes_bf16_rows_from_five_by_default(skinny) -> None:
-    # Below 5 rows the widened pass is faster than the AMX one (skinny_linear_cpu.cpp, kAmxMinRows): by default an
-    # AMX host's batches of 1-4 bf16 rows get the widened pass's bits, from 5 rows the AMX pass's.
+def test_amx_takes_bf16_rows_from_two_by_default(skinny) -> None:
+    # A single row is no slower widened than on AMX tiles (skinny_linear_cpu.cpp, kAmxMinRows): by default an AMX
+    # host's single bf16 rows get the widened pass's bits, from 2 rows the AMX pass's.
     if _path() != AMX:
         pytest.skip("bf16 rows do not take AMX tiles by default here (no AMX, or this build no AVX-512)")
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(1408, 1408, generator=gen).bfloat16()
     panels = panel_layout(w)
-    for m, path in ((1, WIDEN), (4, WIDEN), (5, AMX), (8, AMX), (33, AMX)):
+    for m, path in ((1, WIDEN), (2, AMX), (4, AMX), (5, AMX), (33, AMX)):
         x = torch.randn(m, 1408, generator=gen).bfloat16()
         default = skinny(x, panels, None, 1408)
         with _pin_path(path):

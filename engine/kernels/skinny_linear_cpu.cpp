@@ -1,6 +1,6 @@
 // A linear layer for few rows (decode batches): y[M, N] = x[M, K] . W[N, K]^T (+ bias), M <= ~64, fp32 or bf16
 // weights and rows (bf16 is widened exactly as it is read; the arithmetic is fp32, rounded once to x's dtype). bf16
-// rows over bf16 weights are multiplied instead on AMX tiles where the CPU has them, from 5 rows (panels_amx), or on
+// rows over bf16 weights are multiplied instead on AMX tiles where the CPU has them, from 2 rows (panels_amx), or on
 // an AMD CPU with AVX512_BF16 in pairs of k steps by its dot-product instruction (panel_rows_dot: exact products,
 // fp32 sums; where it pays: cpu_features.h). The path is chosen once per process (linear_bf16_path).
 //
@@ -638,10 +638,13 @@ int64_t linear_bf16_path(bool default_only) {
   return m < 0 || default_only ? default_bf16_path() : m;
 }
 
-// By default the AMX pass takes M rows from this many on: below, the widened pass is faster (same host and linears,
-// paired: AMX / widened 1.12 / 1.08 / 1.04-1.06 at 1 / 2 / 4 rows, 0.95 / 0.88 / 0.79-0.81 at 5 / 6 / 8). A pinned
-// path takes every M.
-constexpr int64_t kAmxMinRows = 5;
+// By default the AMX pass takes M rows from this many on; a single row stays widened. With bf16 panels of k pairs (no
+// permute before a tile load), bf16 decode steps of `small` with the AMX pass against the widened one at 1-4 rows,
+// alternating step by step in one process on a 2-core Xeon with AMX (300 MiB L3): 0.98-1.00 / 0.98-1.01 / 0.97-0.98
+// / 0.95-0.97 of the time at batch 1 / 2 / 3 / 4 (three runs); the four linears of a layer alone 0.95 at 2 rows. On
+// another such host the pass took 1.06x as long at one row (a timing of the pair layout's loads), 0.98 at two. A
+// pinned path takes every M.
+constexpr int64_t kAmxMinRows = 2;
 
 int bf16_path_for(int64_t M) {
   const int m = g_bf16_path.load(std::memory_order_relaxed);

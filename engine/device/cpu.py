@@ -42,12 +42,30 @@ class CpuDevice(Device):
         kernel = cpu_paged_attention()
         if dtype in (torch.bfloat16, torch.float16) and torch.cpu._is_amx_tile_supported():
             # 16-bit prompts on the matrix unit: see engine/kernels/fresh_prefill.py for the measured crossover.
-            from engine.kernels.fresh_prefill import FRESH_MIN_TOKENS, FreshPrefillAttention
-
-            logger.info(
-                "AMX with a %s cache: fresh prompts of >= %d tokens attend through SDPA",
-                dtype,
+            from engine.kernels.build import load_fresh_attention
+            from engine.kernels.fresh_prefill import (
+                FRESH_AMX_MIN_TOKENS,
                 FRESH_MIN_TOKENS,
+                FreshPrefillAttention,
             )
-            return FreshPrefillAttention(kernel)
+
+            amx = None
+            if dtype == torch.bfloat16 and load_fresh_attention() is not None:
+                ops = torch.ops.bucketserve_cpu
+                amx = ops.fresh_attention_amx if ops.fresh_attention_amx_usable() else None
+            if amx is not None:
+                logger.info(
+                    "AMX with a %s cache: fresh prompts of >= %d tokens attend through our AMX kernel (where the "
+                    "head dim is a multiple of 32; else those of >= %d through SDPA)",
+                    dtype,
+                    FRESH_AMX_MIN_TOKENS,
+                    FRESH_MIN_TOKENS,
+                )
+            else:
+                logger.info(
+                    "AMX with a %s cache: fresh prompts of >= %d tokens attend through SDPA",
+                    dtype,
+                    FRESH_MIN_TOKENS,
+                )
+            return FreshPrefillAttention(kernel, amx=amx)
         return kernel

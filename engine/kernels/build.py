@@ -5,8 +5,8 @@ covering the source, the headers beside it, the torch version, the compiler flag
 detected, so a cache folder shared between machines or torch upgrades never loads a stale or foreign binary.
 Loading is once per process; each library registers its operator under ``torch.ops.bucketserve_cpu``:
 ``paged_attention`` (``paged_attention_cpu.cpp``), ``skinny_linear`` (``skinny_linear_cpu.cpp``), ``rms_norm``
-(``rms_norm_cpu.cpp``), ``rope_write_kv`` (``rotary_cpu.cpp``) and ``decoder_layers`` (``decoder_stack_cpu.cpp``,
-which calls the other four).
+(``rms_norm_cpu.cpp``), ``rope_write_kv`` (``rotary_cpu.cpp``), ``decoder_layers`` (``decoder_stack_cpu.cpp``,
+which calls the four before it) and ``fresh_attention_amx`` (``fresh_attention_amx.cpp``).
 
 ``python -m engine.kernels.build`` prebuilds them (``make install`` does), so a server start only loads.
 """
@@ -38,6 +38,7 @@ SKINNY_LINEAR_SOURCE = Path(__file__).with_name("skinny_linear_cpu.cpp")
 RMS_NORM_SOURCE = Path(__file__).with_name("rms_norm_cpu.cpp")
 ROTARY_SOURCE = Path(__file__).with_name("rotary_cpu.cpp")
 DECODER_STACK_SOURCE = Path(__file__).with_name("decoder_stack_cpu.cpp")
+FRESH_ATTENTION_SOURCE = Path(__file__).with_name("fresh_attention_amx.cpp")
 OP_NAMESPACE = "bucketserve_cpu"
 
 # Vector ISA flags per capability torch itself detected on this CPU (what its own kernels dispatch to),
@@ -120,6 +121,12 @@ def load_decoder_stack() -> Callable[..., Any] | None:
     return load(DECODER_STACK_SOURCE, "decoder_layers")
 
 
+def load_fresh_attention() -> Callable[..., Any] | None:
+    """``fresh_attention_amx(out, q, k_cache, v_cache, blocks, start, n, scale)``, or None: fresh bf16 prompts
+    then attend through torch's SDPA (``engine.kernels.fresh_prefill``)."""
+    return load(FRESH_ATTENTION_SOURCE, "fresh_attention_amx")
+
+
 # Every kernel: (source, the operator its library registers).
 KERNELS = (
     (SOURCE, "paged_attention"),
@@ -127,6 +134,7 @@ KERNELS = (
     (RMS_NORM_SOURCE, "rms_norm"),
     (ROTARY_SOURCE, "rope_write_kv"),
     (DECODER_STACK_SOURCE, "decoder_layers"),
+    (FRESH_ATTENTION_SOURCE, "fresh_attention_amx"),
 )
 
 
@@ -266,6 +274,12 @@ def _register_fakes(op: str) -> None:
         @torch.library.register_fake(lib + "gated_linear")
         def _gated(x, panels, n, gate_index, up_index, max_rows):
             return x.new_empty(x.shape[0], n)
+
+    elif op == "fresh_attention_amx":
+
+        @torch.library.register_fake(lib + "fresh_attention_amx")
+        def _fresh(out, q, k_cache, v_cache, blocks, start, n, scale) -> None:
+            return None  # it only writes ``out``
 
     elif op == "rms_norm":
 

@@ -15,12 +15,12 @@
 // per k. bf16: one line per two k steps, as (k, k + 1) pairs per column (word 2c + e of the line for steps 2r, 2r + 1
 // is W[16p + c][2r + e]), with an odd K's last step alone in the first half of its line: the layout VDPBF16PS and
 // AMX tiles take their second operand in, so neither rearranges a line, and the widened pass splits a line into its
-// two k steps with one shift and one mask. A pass takes two adjacent panels and up to 12 rows: per k, two lines of W are loaded and each
-// x[m][k] is broadcast once into two FMAs, 24 accumulators in registers. More rows make more passes over the
-// same two panels (64 KB at K = 512), which then come from L1/L2, not from memory. Threads take contiguous
-// runs of panel pairs, so each streams its own part of the weight once. Software prefetch runs 8 KB ahead on AVX2,
-// for bf16 weights, and for fp32 weights on AVX-512 except on AMD CPUs, whose hardware prefetchers do better alone
-// (see panel_rows; chosen once per process, prefetches_fp32_weights).
+// two k steps with one shift and one mask. A pass takes two adjacent panels and up to 12 rows: per k, two lines of
+// W are loaded and each x[m][k] is broadcast once into two FMAs, 24 accumulators in registers. More rows make more
+// passes over the same two panels (64 KB at K = 512), which then come from L1/L2, not from memory. Threads take
+// contiguous runs of panel pairs, so each streams its own part of the weight once. Software prefetch runs 8 KB
+// ahead on AVX2, for bf16 weights, and for fp32 weights on AVX-512 except on AMD CPUs, whose hardware prefetchers
+// do better alone (see panel_rows; chosen once per process, prefetches_fp32_weights).
 //
 // Measured on a 2-core AVX-512 host, 2 threads, fp32, weights well beyond the caches (GB/s of weights read,
 // this kernel / oneDNN with a prepacked weight): [512 -> 1408] 30.5 / 24.5 at M = 1, 25.0 / 17.6 at M = 8,
@@ -222,9 +222,10 @@ BUCKETSERVE_BF16_DOT __attribute__((noinline)) void panel_rows_dot(
 // [rows, 16] fp32 tile), where the vector passes above take one FMA per row, column group and k step. A panel's
 // 32 steps (16 lines of (k, k + 1) pairs, 1 KB, contiguous) are the tile as they are, loaded in place; only a last
 // block of fewer than 32 steps is copied, zero-padded. x rows are read in place where K is a multiple of 32, else
-// from a zero-padded copy. Up to 32 rows (two row blocks) a pass share each panel tile; tiles: 0-1 x blocks, 2-3 panels, 4-7 results (block, panel). The
-// results start at the bias and end in the same epilogue as the vector passes' (store_rows' SiLU for a gated pair).
-// The instruction's arithmetic: products exact in fp32, sums in fp32, denormals flushed.
+// from a zero-padded copy. Up to 32 rows (two row blocks) a pass share each panel tile; tiles: 0-1 x blocks, 2-3
+// panels, 4-7 results (block, panel). The results start at the bias and end in the same epilogue as the vector
+// passes' (store_rows' SiLU for a gated pair). The instruction's arithmetic: products exact in fp32, sums in fp32,
+// denormals flushed.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};

@@ -173,10 +173,10 @@ inline void panel_rows(const float* __restrict x, int64_t ldx, const WT* __restr
 // multiplies 16 lanes of bf16 pairs (two k steps) and adds both products into fp32 accumulators, so one instruction
 // does the work of two FMAs on widened values (on Zen 4 at the FMA's issue rate; Intel's issues it at a quarter of
 // it). A panel's line holds steps k, k + 1 as the pairs it takes, and x[m][k], x[m][k + 1] are broadcast as one
-// 32-bit pair. The arithmetic is the
-// instruction's: each product exact in fp32, added in turn (k + 1, then k) with round-to-nearest-even, denormal
-// inputs and results flushed to zero. An odd K's last step is an FMA on widened values. Compiled for that
-// instruction set here only; called where the CPU has it and it is the bf16 path (linear_bf16_path).
+// 32-bit pair. The arithmetic is the instruction's: each product exact in fp32, added in turn (k + 1, then k) with
+// round-to-nearest-even, denormal inputs and results flushed to zero. An odd K's last step is an FMA on widened
+// values. Compiled for that instruction set here only; called where the CPU has it and it is the bf16 path
+// (linear_bf16_path).
 template <int MR, int NP, bool kGated>
 BUCKETSERVE_BF16_DOT __attribute__((noinline)) void panel_rows_dot(
     const bf16_bits* __restrict x, int64_t ldx, const bf16_bits* __restrict w, int64_t K, const float* bias,
@@ -337,6 +337,7 @@ inline void store_amx_rows(const float* out, int64_t rows, int np, float* y, int
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2: a 16-column panel is two 8-float registers. With 16 registers, a pass keeps MR x NP x 2 accumulators
 // (kRowBlock below: 3 rows x 2 panels = 12), two weight halves per panel and one broadcast.
+//
 // Step k of a panel (w: the pass's first step, an even one; the first `paired` steps lie in lines of pairs).
 template <typename WT>
 inline void load_w(const WT* w, int64_t k, int64_t paired, __m256& lo, __m256& hi);

@@ -22,8 +22,10 @@
 //   torch's flash kernel does, the row sums from the fp32 P; each output divided by its sum and rounded once.
 // Measured on that Xeon (2 threads, `small`'s heads, 16-slot blocks; SDPA's time including the gather of K/V out
 // of the blocks), ours / SDPA, paired: 0.75-0.76 at 128 tokens, 0.77-0.81 at 256, 0.67-0.71 at 512, 0.78-0.79 at
-// 1024, 0.89-0.92 at 2048. Blocks of 32 keys with one result tile per slice instead: level with SDPA (the tile
-// loads and stores around each softmax, not the exps, set the pace there).
+// 1024, 0.89-0.92 at 2048 (one thread: 0.69-0.77 at 128-1024). Blocks of 32 keys with one result tile per slice
+// instead: level with SDPA (the tile loads and stores around each softmax, not the exps, set the pace there).
+// Measured and not kept: the scale folded into each exponent (0.99-1.01 of the time), V^T stored tile by tile
+// (1.00-1.04 at 256-1024 tokens, 0.93 at 2048).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>

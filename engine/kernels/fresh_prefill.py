@@ -33,7 +33,7 @@ from engine.kernels import PagedAttentionFn
 FRESH_MIN_TOKENS = 128
 # From this many a fresh bf16 prompt goes to our AMX kernel where it runs: against the paged kernel on the same
 # Xeon (one prompt, `small`'s heads, 16-slot blocks, paired), 1.04 / 1.00 / 0.97 of its time at 16 / 32 / 48
-# tokens, 0.88 at 64, 0.79 at 96, 0.76 at 128, 0.68 at 192.
+# tokens, 0.88 at 64, 0.79 at 96, 0.76 at 128, 0.68 at 192 (one thread: 0.99 at 16, 0.87 at 32, 0.78 at 64).
 FRESH_AMX_MIN_TOKENS = 64
 
 

@@ -53,8 +53,8 @@ constexpr int64_t kQ = 16;  // queries per item: the lanes of a vector, the colu
 constexpr int64_t kKeys = 256;  // keys per block (at most): one softmax pass and one P V product each
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Every tile 16 rows of 64 bytes: 0-1 K rows (keys 0-15, 16-31 of a block) or V^T rows, 2 the queries' pairs,
-// 3 P^T pairs, 4-5 S^T, then 4-7 slices of O^T.
+// Every tile 16 rows of 64 bytes. S^T: 0, 1, 3 K rows (16 keys each), 2 the queries' pairs, 4-7 S^T (16 keys
+// each). P V: 0, 1, 3 V^T (16 head dims x 32 keys each), 2 P^T pairs (32 keys), 4-7 slices of O^T.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};

@@ -25,7 +25,11 @@
 // 1024, 0.89-0.92 at 2048 (one thread: 0.69-0.77 at 128-1024). Blocks of 32 keys with one result tile per slice
 // instead: level with SDPA (the tile loads and stores around each softmax, not the exps, set the pace there).
 // Measured and not kept: the scale folded into each exponent (0.99-1.01 of the time), V^T stored tile by tile
-// (1.00-1.04 at 256-1024 tokens, 0.93 at 2048).
+// (1.00-1.04 at 256-1024 tokens, 0.93 at 2048). What bounds it, measured alone on one core of that host: TDPBF16PS
+// runs at 1.3-2.3 TFLOP/s on resident tiles and as fast with four 1 KB tile loads a round (from L1 or an L2
+// stream), but at 0.39-0.49 when each round's four results are stored, read back by vector loads and one tile is
+// loaded again: the trip S^T and P^T make every block (tiles, vectors for the softmax, tiles). That trip and the
+// softmax's ~25 vector instructions a key row hold this kernel near 140 GFLOP/s a core at head dim 64.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>

@@ -17,8 +17,13 @@
 // whole-file -mavx512bf16 could let the compiler use the instruction set where the CPU lacks it); callers check
 // cpu_has_avx512_bf16 first (Bf16Dot, the skinny linear's bf16 path).
 #define BUCKETSERVE_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512bf16")))
-// The same for the AMX tile instructions (callers check amx_bf16_usable first).
+// The same for the AMX tile instructions (callers check amx_bf16_usable first), and for both at once.
 #define BUCKETSERVE_AMX_BF16 __attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16")))
+#define BUCKETSERVE_AMX_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace bucketserve {
 
@@ -99,5 +104,24 @@ class Bf16Dot {
  private:
   std::atomic<int> mode_{-1};
 };
+
+#if defined(__AVX512F__)
+// An AMX tile configuration (palette 1): rows and bytes per row of each of the eight tiles, zero where unused.
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Configures this thread's tiles (callers check amx_bf16_usable first, and release them when done).
+BUCKETSERVE_AMX_BF16 inline void amx_load_tiles(const AmxTileConfig& c) {
+  // GCC does not count ldtilecfg as a read of c: without this the stores that filled it are dropped as dead
+  // (the first build faulted with SIGILL on its first tile load).
+  asm volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
+BUCKETSERVE_AMX_BF16 inline void amx_release_tiles() { _tile_release(); }
+#endif
 
 }  // namespace bucketserve

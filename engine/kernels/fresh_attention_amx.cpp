@@ -59,26 +59,14 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Every tile 16 rows of 64 bytes. S^T: 0, 1, 3 K rows (16 keys each), 2 the queries' pairs, 4-7 S^T (16 keys
 // each). P V: 0, 1, 3 V^T (16 head dims x 32 keys each), 2 P^T pairs (32 keys), 4-7 slices of O^T.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-#define BUCKETSERVE_AMX_ATTENTION __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
-
-BUCKETSERVE_AMX_ATTENTION void configure_tiles() {
-  TileConfig c;
+BUCKETSERVE_AMX_BF16_DOT void configure_tiles() {
+  bucketserve::AmxTileConfig c;
   for (int t = 0; t < 8; ++t) {
     c.rows[t] = 16;
     c.colsb[t] = 64;
   }
-  // GCC does not count ldtilecfg as a read of c: without this the stores above are dropped as dead
-  asm volatile("" : : "r"(&c) : "memory");
-  _tile_loadconfig(&c);
+  bucketserve::amx_load_tiles(c);
 }
-
-BUCKETSERVE_AMX_ATTENTION void release_tiles() { _tile_release(); }
 
 // The packed keys and values of one KV head: K [np][D] and V^T [D][ldv], zero past the prompt's n keys. V^T's rows
 // are 64 bytes longer than np keys: at a power-of-two stride a tile's 16 rows would share two of L1's 64 sets.
@@ -96,7 +84,7 @@ struct Scratch {
 };
 
 // One item: query head qh, queries [i0, i0 + kQ) (those past n padded with zeros, never written out).
-BUCKETSERVE_AMX_ATTENTION __attribute__((noinline)) void attend_block(
+BUCKETSERVE_AMX_BF16_DOT __attribute__((noinline)) void attend_block(
     const bf16_bits* q, int64_t q_t, const PackedKv& kv, int64_t np, int64_t D, int64_t n, int64_t i0, float scale,
     bf16_bits* out, int64_t o_t, Scratch& sc) {
   // The queries as pairs per column: the second operand of S^T = K Q^T.
@@ -295,7 +283,7 @@ void fresh_attention_amx(at::Tensor& out, const at::Tensor& q, const at::Tensor&
       attend_block(qp + qh * q.stride(1), q.stride(0), kv[qh / G], np, D, n, qb * kQ, static_cast<float>(scale),
                    op_ + qh * out.stride(1), out.stride(0), sc);
     }
-    release_tiles();
+    bucketserve::amx_release_tiles();
   });
 #endif
 }

@@ -226,19 +226,13 @@ BUCKETSERVE_BF16_DOT __attribute__((noinline)) void panel_rows_dot(
 // panels, 4-7 results (block, panel). The results start at the bias and end in the same epilogue as the vector
 // passes' (store_rows' SiLU for a gated pair). The instruction's arithmetic: products exact in fp32, sums in fp32,
 // denormals flushed.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 constexpr int64_t kAmxK = 32;  // k steps per tile product
 constexpr int64_t kAmxRows = 16;  // rows per x block
 constexpr int64_t kTile = kAmxRows * kPanel;  // floats in one result tile
 
 // Tiles for a pass of r0 + r1 rows (r1 = 0: one block).
 BUCKETSERVE_AMX_BF16 void amx_configure(int64_t r0, int64_t r1) {
-  TileConfig c;
+  bucketserve::AmxTileConfig c;
   const int64_t block[2] = {r0, r1};
   for (int b = 0; b < 2; ++b) {
     if (block[b] == 0) continue;
@@ -253,12 +247,8 @@ BUCKETSERVE_AMX_BF16 void amx_configure(int64_t r0, int64_t r1) {
     c.rows[2 + p] = 16;
     c.colsb[2 + p] = 64;
   }
-  // GCC does not count ldtilecfg as a read of c: without this the stores above are dropped as dead
-  asm volatile("" : : "r"(&c) : "memory");
-  _tile_loadconfig(&c);
+  bucketserve::amx_load_tiles(c);
 }
-
-BUCKETSERVE_AMX_BF16 void amx_release() { _tile_release(); }
 
 // Rows [0, r0 + r1) of x (bf16, row stride ldx, readable up to the next multiple of 32 past K) times np (1 or 2)
 // adjacent panels into out [2 blocks][2 panels][16 rows][16] fp32, each starting at start (the same layout: the
@@ -777,7 +767,7 @@ void run_pairs_amx(const Args& a, const bf16_bits* wp, const float* bp, float* y
         if (r1 > 0) store_amx_rows<kGated>(out + 2 * kTile, r1, np, yp + (m0 + kAmxRows) * n + c0, n, n - c0);
       }
     }
-    if (tiles_for >= 0) amx_release();
+    if (tiles_for >= 0) bucketserve::amx_release_tiles();
   });
 }
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_helpers import can_run_amx_bf16, cpuinfo_field
 from test_fresh_prefill import MIXED
 from test_paged_attention_kernel import dense_reference, make_case
 
@@ -19,10 +20,13 @@ def fresh():
     # Every host we run on has a compiler: the kernel must build here, not skip.
     assert build.load_fresh_attention() is not None, "the fresh attention kernel did not build"
     assert build.load() is not None, "the paged attention kernel did not build"
-    if not torch.ops.bucketserve_cpu.fresh_attention_amx_usable():
+    # Whether it can run is read from the operating system's view of the CPU, not from the kernel's own check, so
+    # a kernel that wrongly refuses an AMX host fails here instead of skipping.
+    if not (can_run_amx_bf16() and "avx512_bf16" in cpuinfo_field("flags").split()):
         pytest.skip(
             "no AMX bf16 tiles with AVX512_BF16 here (or this build no AVX-512): the kernel cannot run"
         )
+    assert torch.ops.bucketserve_cpu.fresh_attention_amx_usable()
     return torch.ops.bucketserve_cpu.fresh_attention_amx
 
 

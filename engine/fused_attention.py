@@ -28,7 +28,7 @@ import torch
 
 from engine.flat_attention import FLAT_ATTN_IMPLEMENTATION, attend_rotated
 from engine.forward_context import AttendFn, ForwardContext, current_context, forward_context
-from engine.linear_prepack import prepack_linear, skinny_max_rows, unpack_linear
+from engine.linear_prepack import prepack_linear, probe_rows, skinny_rows_lowered, unpack_linear
 from engine.swapped_forward import runs_forward
 
 logger = logging.getLogger(__name__)
@@ -150,18 +150,21 @@ def probe_rope(
 
 
 def _agrees(module: torch.nn.Module, attend: AttendFn, gen: torch.Generator) -> bool:
-    """The fused forward against the module's own, on a short prompt (skinny linears) and a long one (oneDNN)."""
+    """The fused forward against the module's own, on a short prompt (skinny linears) and a longer one (oneDNN, the
+    linears' row limits lowered meanwhile)."""
     q = module.q_proj
     dtype, d = q.weight.dtype, module.head_dim
     rtol, atol = _PROBE_TOLERANCE[dtype]
-    for tokens in (3, skinny_max_rows(dtype) + 1):
+    limit = probe_rows(dtype)
+    linears = [getattr(module, name) for name in _PARTS] + [module.__dict__["qkv_linear"]]
+    for tokens in (3, limit + 1):
         x = torch.randn(1, tokens, q.in_features, generator=gen).to(dtype)
         rope = probe_rope(tokens, d, gen, dtype)
         results = []
         for forward in (type(module).forward, _fused_forward):
             ctx = probe_context(module, tokens, attend)
             try:
-                with forward_context(ctx):
+                with forward_context(ctx), skinny_rows_lowered(linears, limit):
                     out, _ = forward(module, hidden_states=x, position_embeddings=rope, attention_mask=None)
             # A module this forward cannot stand in for may fail on the probe (a partial rotary cannot take
             # full-width cos/sin): it keeps its own forward.

@@ -22,6 +22,7 @@ from types import MethodType
 import torch
 
 from engine import huge_pages
+from engine.linear_prepack import probe_rows, skinny_rows_lowered
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +78,15 @@ def fuse_gated_mlps(model: torch.nn.Module) -> int:
         probe = torch.randn(3, gate.in_features, generator=gen).to(gate.weight.dtype)
         mlp.gate_up_panels = panels
         rtol, atol = _PROBE_TOLERANCE[gate.weight.dtype]
-        # Both sides of the dispatch: skinny rows and oneDNN rows.
-        wide = torch.randn(gate.skinny_max_rows + 1, gate.in_features, generator=gen).to(gate.weight.dtype)
-        if not all(
-            torch.allclose(_fused_forward(mlp, x).float(), mlp(x).float(), rtol=rtol, atol=atol)
-            for x in (probe, wide)
-        ):
+        # Both sides of the dispatch: skinny rows and oneDNN rows (under a lowered limit).
+        limit = probe_rows(gate.weight.dtype)
+        wide = torch.randn(limit + 1, gate.in_features, generator=gen).to(gate.weight.dtype)
+        with skinny_rows_lowered((gate, up, mlp.down_proj), limit):
+            agree = all(
+                torch.allclose(_fused_forward(mlp, x).float(), mlp(x).float(), rtol=rtol, atol=atol)
+                for x in (probe, wide)
+            )
+        if not agree:
             del mlp.gate_up_panels
             kept += 1
             continue

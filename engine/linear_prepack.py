@@ -32,6 +32,7 @@ code still see it).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -41,6 +42,7 @@ from types import MethodType
 import torch
 
 from engine import huge_pages
+from engine.cpu_model import host_cpu
 from engine.skinny_rows import skinny_row_limit
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,7 @@ logger = logging.getLogger(__name__)
 # chunks well (measured: within 10% of the best hint from M = 1 to 512).
 PACK_HINT_M = 32
 # How many rows a linear runs on the skinny kernel (when it is built) before oneDNN takes it: per dtype and host
-# (skinny_max_rows, engine/skinny_rows.py); 64 by default, as measured here. AVX-512 (2-core
+# (skinny_max_rows, engine/skinny_rows.py); 64 by default, as measured here (1024 for fp32 on an AMD Zen 2). AVX-512 (2-core
 # host): 1.03-1.26x oneDNN's speed at 64 rows over the small model's shapes, 0.97-1.17x at 96. AVX2 (2-core Zen 3
 # EPYC, a 16-column panel in two 8-float registers, 3 rows a pass, the accumulators in named registers), over the
 # small model's QKV, O, down and fused gate/up shapes: 1.7-2.2x oneDNN at 8 rows, 1.0-1.35x at 32, 0.9-1.4x at 64
@@ -131,7 +133,32 @@ def skinny_max_rows(dtype: torch.dtype) -> int:
     prefetch = ops is not None and bool(ops.prefetches_fp32_weights())
     amx = bool(torch.cpu._is_amx_tile_supported())
     skinny_amx = ops is not None and int(ops.linear_bf16_path(True)) == AMX_PATH
-    return skinny_row_limit(str(dtype).removeprefix("torch."), _CPU, prefetch, amx, skinny_amx)
+    zen2 = host_cpu().amd_zen2
+    return skinny_row_limit(str(dtype).removeprefix("torch."), _CPU, prefetch, amx, skinny_amx, zen2)
+
+
+# The most rows a start-up probe sends to a layer's skinny side: a probe of the oneDNN side lowers the layer's limit
+# to this meanwhile and takes one row more (a probe of limit + 1 rows would cost seconds where the limit is 1024).
+PROBE_ROWS = 64
+
+
+def probe_rows(dtype: torch.dtype) -> int:
+    """The row limit under which a start-up probe runs layers of ``dtype`` (see ``skinny_rows_lowered``)."""
+    return min(skinny_max_rows(dtype), PROBE_ROWS)
+
+
+@contextlib.contextmanager
+def skinny_rows_lowered(modules, rows: int):
+    """Meanwhile ``modules`` (prepacked linears) take the skinny kernel up to ``rows`` rows at most, so a probe of
+    ``rows + 1`` rows runs their oneDNN side."""
+    saved = [(m, m.skinny_max_rows) for m in modules]
+    for m, limit in saved:
+        m.skinny_max_rows = min(limit, rows)
+    try:
+        yield
+    finally:
+        for m, limit in saved:
+            m.skinny_max_rows = limit
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:

@@ -17,7 +17,14 @@ from engine_helpers import (
 
 from engine import linear_prepack
 from engine.kernels import build
-from engine.linear_prepack import panel_layout, prepack_linears, skinny_max_rows
+from engine.linear_prepack import (
+    PROBE_ROWS,
+    panel_layout,
+    prepack_linears,
+    probe_rows,
+    skinny_max_rows,
+    skinny_rows_lowered,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -432,3 +439,20 @@ def test_the_bf16_path_can_be_pinned_where_the_cpu_runs_it_and_is_refused_elsewh
     finally:
         ops.set_linear_bf16_path(-1)
     assert _path() == default
+
+
+def test_a_lowered_limit_sends_rows_past_it_to_onednn_meanwhile(skinny) -> None:
+    # How start-up probes check the oneDNN side without limit + 1 rows (1025 where the limit is 1024).
+    lin = torch.nn.Linear(64, 96)
+    x = torch.randn(9, 64)
+    with torch.inference_mode():
+        prepack_linears(lin)
+        limit = lin.skinny_max_rows
+        lin.panel_weight.zero_()  # the skinny kernel now gives the bias alone, oneDNN the right answer
+        with skinny_rows_lowered([lin], 8):
+            assert lin.skinny_max_rows == min(limit, 8)
+            assert not torch.equal(lin(x), lin.bias.expand(9, -1))  # oneDNN
+            assert torch.equal(lin(x[:8]), lin.bias.expand(8, -1))  # still the kernel
+        assert lin.skinny_max_rows == limit
+        assert torch.equal(lin(x), lin.bias.expand(9, -1))  # the kernel again
+    assert probe_rows(torch.float32) == min(skinny_max_rows(torch.float32), PROBE_ROWS)

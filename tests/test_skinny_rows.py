@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.skinny_rows import AMX_BF16_ROWS, DEFAULT_ROWS, PREFETCHED_FP32_ROWS, skinny_row_limit
+from engine.skinny_rows import (
+    AMX_BF16_ROWS,
+    DEFAULT_ROWS,
+    PREFETCHED_FP32_ROWS,
+    ZEN2_FP32_ROWS,
+    skinny_row_limit,
+)
 
 
 @pytest.mark.parametrize(
@@ -31,6 +37,21 @@ def test_bf16_on_amx_with_the_kernels_own_amx_pass_hands_over_at_the_default() -
     assert skinny_row_limit("float32", "AVX512", True, True, skinny_amx=True) == PREFETCHED_FP32_ROWS
 
 
+@pytest.mark.parametrize(
+    ("dtype", "isa", "zen2", "want"),
+    [
+        ("float32", "AVX2", True, ZEN2_FP32_ROWS),  # oneDNN's fp32 GEMM is slower than the kernel's there
+        ("float32", "AVX2", False, DEFAULT_ROWS),  # Zen 3 and others: measured to meet near 64
+        ("bfloat16", "AVX2", True, DEFAULT_ROWS),  # oneDNN has no bf16 GEMM without AVX-512 or AVX-NE-CONVERT
+        ("float16", "AVX2", True, DEFAULT_ROWS),
+        ("float32", "DEFAULT", True, DEFAULT_ROWS),  # the portable build (a torch without AVX2 kernels)
+    ],
+)
+def test_fp32_on_an_amd_zen2_stays_on_the_kernel_for_prompt_chunks(dtype, isa, zen2, want) -> None:
+    assert skinny_row_limit(dtype, isa, True, False, amd_zen2=zen2) == want
+
+
 def test_the_limits_keep_their_order() -> None:
-    # bf16 on AMX hands over earliest, prefetched fp32 latest; a decode batch of one always stays skinny
-    assert 1 < AMX_BF16_ROWS < DEFAULT_ROWS < PREFETCHED_FP32_ROWS
+    # bf16 on AMX hands over earliest, prefetched fp32 latest, fp32 on Zen 2 later still; a decode batch of one
+    # always stays skinny
+    assert 1 < AMX_BF16_ROWS < DEFAULT_ROWS < PREFETCHED_FP32_ROWS < ZEN2_FP32_ROWS

@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 # chunks well (measured: within 10% of the best hint from M = 1 to 512).
 PACK_HINT_M = 32
 # How many rows a linear runs on the skinny kernel (when it is built) before oneDNN takes it: per dtype and host
-# (skinny_max_rows, engine/skinny_rows.py); 64 by default, as measured here (1024 for fp32 on an AMD Zen 2). AVX-512 (2-core
+# (skinny_max_rows, engine/skinny_rows.py); 64 by default, as measured here (4096 for fp32 on an AMD Zen 2). AVX-512 (2-core
 # host): 1.03-1.26x oneDNN's speed at 64 rows over the small model's shapes, 0.97-1.17x at 96. AVX2 (2-core Zen 3
 # EPYC, a 16-column panel in two 8-float registers, 3 rows a pass, the accumulators in named registers), over the
 # small model's QKV, O, down and fused gate/up shapes: 1.7-2.2x oneDNN at 8 rows, 1.0-1.35x at 32, 0.9-1.4x at 64

@@ -19,16 +19,15 @@ one process:
   1.15x as long at batch 12 and 0.98-1.01 at 16-32; limits of 24 and 32 took 1.07 and 1.08x as long at batch 24,
   and 32 took 1.19x at batch 32. (Intel CPUs widen bf16 rather than take the kernel's dot-product pass,
   ``engine/kernels/cpu_features.h``; with that pass pinned, oneDNN's AMX GEMM was faster from 12 rows on.)
-- fp32 on AVX2 on an AMD Zen 2 (family 17h, model 30h and later): 1024 rows. On a 2-core EPYC (family 23 model
-  49, L3 16 MiB) the kernel ran the `small` model's QKV, O, gate/up, down and LM-head shapes at 1.0-1.3x oneDNN's
-  speed at every row count tried, 64 to 1024 (155-176 against 121-175 GFLOP/s at 128 rows, 156-163 against
-  132-151 at 1024); in one process, switching engines step by step, a limit of 128 against 64 took 0.87 / 0.90 /
-  0.92 of the time of decode steps at batch 80 / 96 / 128 (context 256), and a limit of 4096 took 0.85 / 0.90 /
-  0.87 of the time of prefill steps of ~1000 mixed tokens / one 1024-token prompt / one 256-token prompt, and 0.94
-  at ~4000 mixed tokens. The offline workload (``bench offline``, three alternating rounds) ran 0.95 / 0.95 / 0.99
-  of the time with 1024 and 0.94 / 0.93 / 0.98 with 4096: level, so the smaller limit, which keeps the prompts of
-  the default step budget's larger steps on oneDNN. (On a Zen 3 the kernel ran 0.77-1.28x oneDNN at 128 rows:
-  the rule below holds there.)
+- fp32 on AVX2 on an AMD Zen 2 (family 17h, model 30h and later): 4096 rows, the default step budget. On a
+  2-core EPYC (family 23 model 49, L3 16 MiB) the kernel ran the `small` model's QKV, O, gate/up, down and LM-head
+  shapes at 1.0-1.3x oneDNN's speed at every row count tried, 64 to 4096 (at 128 rows 115-174 against 85-145
+  GFLOP/s; at 4096, with its rows taken in chunks of 256, 140-177 against 129-163). In one process, switching
+  engines step by step: a limit of 128 against 64 took 0.87 / 0.90 / 0.92 of the time of decode steps at batch
+  80 / 96 / 128 (context 256); 1024 against 64 took 0.80 / 0.85 / 0.88 of the time of prefill steps of ~1000
+  mixed tokens / one 1024-token prompt / one 256-token prompt; 4096 against 1024 took 0.82 of the time of steps
+  of ~4000 mixed tokens (the offline workload's) and the same below 1024. (On a Zen 3 the kernel ran 0.77-1.28x
+  oneDNN at 128 rows: the rule below holds there.)
 - Everything else: 64 rows (measured on AVX-512 without AMX, and on AVX2: ``engine.linear_prepack``). bf16 on a
   2-core Zen 4 EPYC (AVX512_BF16, no AMX) with the kernel's dot-product pass: its four linears of a `small` layer
   took 0.76 / 0.90 / 0.96 / 1.02 / 1.06 of oneDNN's time at 16 / 32 / 48 / 64 / 96 rows, and decode steps with a
@@ -40,7 +39,7 @@ from __future__ import annotations
 DEFAULT_ROWS = 64
 AMX_BF16_ROWS = 16
 PREFETCHED_FP32_ROWS = 128
-ZEN2_FP32_ROWS = 1024
+ZEN2_FP32_ROWS = 4096
 
 
 def skinny_row_limit(

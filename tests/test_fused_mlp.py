@@ -35,7 +35,7 @@ def _interleaved(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.stack((panel_layout(gate), panel_layout(up)), dim=1).flatten(0, 1).contiguous()
 
 
-@pytest.mark.parametrize("m", [1, 5, 12, 13, 40])
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 40, 600])  # 600: chunks of rows
 @pytest.mark.parametrize(("n", "k"), [(96, 64), (100, 37), (1408, 512)])
 def test_kernel_matches_silu_of_gate_times_up_in_float64(silu_mul, m: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(m + n + k)
@@ -51,7 +51,7 @@ def test_kernel_matches_silu_of_gate_times_up_in_float64(silu_mul, m: int, n: in
     torch.testing.assert_close(silu_mul(x, _interleaved(gate, up), n), want, rtol=1e-4, atol=atol)
 
 
-@pytest.mark.parametrize("m", [4, 8, 40])
+@pytest.mark.parametrize("m", [4, 8, 40, 600])  # 600: over two chunks of rows and a tail
 def test_kernel_gives_a_row_the_same_bits_in_any_batch(silu_mul, m: int) -> None:
     # Each row's gate and up sums run in k order whatever rows share the pass, and the same SiLU follows.
     gen = torch.Generator().manual_seed(m)

@@ -72,7 +72,7 @@ def _pairwise_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | N
     return acc
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 7, 8, 9, 11, 12, 13, 16, 17, 24, 33, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 8, 9, 11, 12, 13, 16, 17, 24, 33, 64, 600])  # 600: chunks of rows
 @pytest.mark.parametrize(("n", "k"), [(96, 64), (100, 37), (48, 8), (16, 1), (1408, 512), (5, 300)])
 def test_matches_a_float64_matmul(skinny, m: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
@@ -85,7 +85,7 @@ def test_matches_a_float64_matmul(skinny, m: int, n: int, k: int) -> None:
     torch.testing.assert_close(skinny(x, panels, bias, n), _reference(x, w, bias), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("m", [4, 8, 13, 40])
+@pytest.mark.parametrize("m", [4, 8, 13, 40, 600])  # 600: over two chunks of rows and a tail
 @pytest.mark.parametrize(("n", "k"), [(100, 300), (1408, 512)])
 @pytest.mark.parametrize(
     ("dtype", "path"),

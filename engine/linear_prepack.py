@@ -37,6 +37,7 @@ import functools
 import itertools
 import logging
 import weakref
+from collections.abc import Iterable, Iterator
 from types import MethodType
 
 import torch
@@ -51,11 +52,11 @@ logger = logging.getLogger(__name__)
 # chunks well (measured: within 10% of the best hint from M = 1 to 512).
 PACK_HINT_M = 32
 # How many rows a linear runs on the skinny kernel (when it is built) before oneDNN takes it: per dtype and host
-# (skinny_max_rows, engine/skinny_rows.py); 64 by default, as measured here (4096 for fp32 on an AMD Zen 2). AVX-512 (2-core
-# host): 1.03-1.26x oneDNN's speed at 64 rows over the small model's shapes, 0.97-1.17x at 96. AVX2 (2-core Zen 3
-# EPYC, a 16-column panel in two 8-float registers, 3 rows a pass, the accumulators in named registers), over the
-# small model's QKV, O, down and fused gate/up shapes: 1.7-2.2x oneDNN at 8 rows, 1.0-1.35x at 32, 0.9-1.4x at 64
-# (the gate/up pass, the largest, 1.28-1.42x), 0.77-1.28x at 128.
+# (skinny_max_rows, engine/skinny_rows.py); 64 by default, as measured here (4096 for fp32 on an AMD Zen 2).
+# AVX-512 (2-core host): 1.03-1.26x oneDNN's speed at 64 rows over the small model's shapes, 0.97-1.17x at 96.
+# AVX2 (2-core Zen 3 EPYC, a 16-column panel in two 8-float registers, 3 rows a pass, the accumulators in named
+# registers), over the small model's QKV, O, down and fused gate/up shapes: 1.7-2.2x oneDNN at 8 rows, 1.0-1.35x
+# at 32, 0.9-1.4x at 64 (the gate/up pass, the largest, 1.28-1.42x), 0.77-1.28x at 128.
 _CPU = torch.backends.cpu.get_cpu_capability()
 SKINNY_PANEL = 16  # output columns per panel of the skinny kernel's weight layout
 
@@ -138,7 +139,7 @@ def skinny_max_rows(dtype: torch.dtype) -> int:
 
 
 # The most rows a start-up probe sends to a layer's skinny side: a probe of the oneDNN side lowers the layer's limit
-# to this meanwhile and takes one row more (a probe of limit + 1 rows would cost seconds where the limit is 1024).
+# to this meanwhile and takes one row more (a probe of limit + 1 rows would cost seconds where the limit is 4096).
 PROBE_ROWS = 64
 
 
@@ -148,7 +149,7 @@ def probe_rows(dtype: torch.dtype) -> int:
 
 
 @contextlib.contextmanager
-def skinny_rows_lowered(modules, rows: int):
+def skinny_rows_lowered(modules: Iterable[torch.nn.Linear], rows: int) -> Iterator[None]:
     """Meanwhile ``modules`` (prepacked linears) take the skinny kernel up to ``rows`` rows at most, so a probe of
     ``rows + 1`` rows runs their oneDNN side."""
     saved = [(m, m.skinny_max_rows) for m in modules]

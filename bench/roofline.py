@@ -133,6 +133,8 @@ def measure_machine(dtype, repeats: int, device: str = "cpu") -> dict[str, float
     8192^3 on an accelerator."""
     import torch
 
+    from engine.linear_prepack import onednn_has
+
     dev = torch.device(device)
     cpu = dev.type == "cpu"
 
@@ -149,11 +151,16 @@ def measure_machine(dtype, repeats: int, device: str = "cpu") -> dict[str, float
     dst = torch.empty_like(src)
     copy_s = timed(lambda: dst.copy_(src))
     n = 2048 if cpu else 8192
-    a = torch.randn(n, n, dtype=dtype, device=dev)
-    b = torch.randn(n, n, dtype=dtype, device=dev)
+    gemm_dtype = dtype
+    if cpu and dtype == torch.bfloat16 and not onednn_has(dtype):
+        # No bf16 GEMM on this CPU (AVX2 only): the engine widens bf16 to fp32 for the FMA units, whose fp32 rate
+        # bounds it (torch's own bf16 matmul runs at a twentieth of that here).
+        gemm_dtype = torch.float32
+    a = torch.randn(n, n, dtype=gemm_dtype, device=dev)
+    b = torch.randn(n, n, dtype=gemm_dtype, device=dev)
     mm_s = timed(lambda: a @ b)
     rates = {"matmul": 2 * n**3 / mm_s}
-    if cpu and torch.backends.mkldnn.is_available():
+    if cpu and onednn_has(gemm_dtype):
         # oneDNN with a prepacked weight (what the engine's linears run on CPU) beats torch.matmul's BLAS by
         # ~2.3x on this host at fp32 accuracy: the machine's GEMM bound is the faster of the two.
         packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
@@ -166,6 +173,7 @@ def measure_machine(dtype, repeats: int, device: str = "cpu") -> dict[str, float
         "bandwidth_Bps": 2 * src.numel() * src.element_size() / copy_s,
         "gemm_flops": max(rates.values()),
         "gemm_source": max(rates, key=rates.get),
+        "gemm_dtype": str(gemm_dtype).removeprefix("torch."),
         **{f"gemm_flops_{k}": v for k, v in rates.items()},
     }
 
@@ -381,6 +389,7 @@ def run(args: argparse.Namespace) -> None:
         "bandwidth_GBps": bw / 1e9,
         "gemm_GFLOPs": rate / 1e9,
         "gemm_source": machine["gemm_source"],
+        "gemm_dtype": machine["gemm_dtype"],
         "bounds_from": "the start" if args.no_remeasure else "the machine measured around each step",
         "gemm_GFLOPs_by_source": {
             k.removeprefix("gemm_flops_"): v / 1e9 for k, v in machine.items() if k.startswith("gemm_flops_")
@@ -418,7 +427,9 @@ def run(args: argparse.Namespace) -> None:
         result,
         table,
         f"machine at the start: copy {bw / 1e9:.1f} GB/s, GEMM {rate / 1e9:.0f} GFLOP/s ({machine['gemm_source']}) "
-        f"({result['dtype']}, {result['threads']} threads)"
+        f"({result['dtype']}"
+        + ("" if machine["gemm_dtype"] == result["dtype"] else f", GEMM in {machine['gemm_dtype']}")
+        + f", {result['threads']} threads)"
         + ("" if args.no_remeasure else "; each step's bound from the machine measured around it"),
         args.json,
     )

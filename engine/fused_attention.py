@@ -84,7 +84,7 @@ def is_fused(module: torch.nn.Module) -> bool:
 
 def _candidate(module: torch.nn.Module, dtype: torch.dtype) -> bool:
     parts = [getattr(module, name, None) for name in _PARTS]
-    if not all(type(p) is torch.nn.Linear and getattr(p, "packed_weight", None) is not None for p in parts):
+    if not all(type(p) is torch.nn.Linear and getattr(p, "packed_index", None) is not None for p in parts):
         return False
     q, k, v, _ = parts
     return (

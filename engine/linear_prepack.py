@@ -135,7 +135,8 @@ def skinny_max_rows(dtype: torch.dtype) -> int:
     amx = bool(torch.cpu._is_amx_tile_supported())
     skinny_amx = ops is not None and int(ops.linear_bf16_path(True)) == AMX_PATH
     zen2 = host_cpu().amd_zen2
-    return skinny_row_limit(str(dtype).removeprefix("torch."), _CPU, prefetch, amx, skinny_amx, zen2)
+    name = str(dtype).removeprefix("torch.")
+    return skinny_row_limit(name, _CPU, prefetch, amx, skinny_amx, zen2, onednn=onednn_has(dtype))
 
 
 # The most rows a start-up probe sends to a layer's skinny side: a probe of the oneDNN side lowers the layer's limit
@@ -151,8 +152,9 @@ def probe_rows(dtype: torch.dtype) -> int:
 @contextlib.contextmanager
 def skinny_rows_lowered(modules: Iterable[torch.nn.Linear], rows: int) -> Iterator[None]:
     """Meanwhile ``modules`` (prepacked linears) take the skinny kernel up to ``rows`` rows at most, so a probe of
-    ``rows + 1`` rows runs their oneDNN side."""
-    saved = [(m, m.skinny_max_rows) for m in modules]
+    ``rows + 1`` rows runs their oneDNN side. Those without a oneDNN copy (bf16 where oneDNN has no bf16 path)
+    have no other side: they keep their limit."""
+    saved = [(m, m.skinny_max_rows) for m in modules if m.packed_weight is not None]
     for m, limit in saved:
         m.skinny_max_rows = min(limit, rows)
     try:
@@ -162,15 +164,24 @@ def skinny_rows_lowered(modules: Iterable[torch.nn.Linear], rows: int) -> Iterat
             m.skinny_max_rows = limit
 
 
-def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN can take this model's linears here: on the CPU, fp32 anywhere, bf16 only where oneDNN has
-    a bf16 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU has none, and its bf16 linears stay
-    ``F.linear``)."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+def onednn_has(dtype: torch.dtype) -> bool:
+    """Whether oneDNN multiplies ``dtype`` on this CPU: fp32 wherever it is built, bf16 only where it has a bf16
+    path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU has none)."""
+    if not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return dtype == torch.float32
+
+
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this model's linears can be prepacked here: on the CPU, for oneDNN where it has the dtype (and the
+    skinny kernel for few rows); bf16 on an AVX2 CPU without oneDNN's bf16 path, for the skinny kernel alone at
+    every row count (``F.linear``'s bf16 GEMM runs at 5-8 GFLOP/s there: a 2-core Zen 2 EPYC, [M, 512] x [512,
+    2816] at 1 to 1024 rows)."""
+    if device.type != "cpu":
+        return False
+    return onednn_has(dtype) or (dtype == torch.bfloat16 and _wants_panels(dtype) and _kernels() is not None)
 
 
 def panel_layout(w: torch.Tensor) -> torch.Tensor:
@@ -214,12 +225,17 @@ def prepack_linear(module: torch.nn.Linear, panels: bool) -> None:
     w = module.weight.detach()  # [N, K]
     index = _register(module)
     module.panel_weight = panel_layout(w) if panels and ops is not None else None
-    module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_M)
+    onednn = onednn_has(w.dtype)
+    if not onednn and module.panel_weight is None:
+        raise ValueError(f"neither oneDNN nor the skinny kernel can take {w.dtype} linears on this CPU")
+    # Without oneDNN's copy the skinny kernel takes every row count (skinny_max_rows).
+    module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_M) if onednn else None
     module.packed_index = index
     module.skinny_max_rows = skinny_max_rows(w.dtype)
     if ops is not None:
-        ops.remember_packed(index, module.packed_weight)
-        weakref.finalize(module, ops.forget_packed, index)
+        if onednn:
+            ops.remember_packed(index, module.packed_weight)
+            weakref.finalize(module, ops.forget_packed, index)
         module.forward = MethodType(_dispatched_forward, module)
     else:
         module.forward = MethodType(_onednn_forward, module)
@@ -235,8 +251,8 @@ def unpack_linear(module: torch.nn.Linear) -> None:
 
 
 def prepack_linears(model: torch.nn.Module) -> int:
-    """Swap every linear layer's forward for a prepacked oneDNN one (and the skinny kernel for few rows);
-    returns how many were packed."""
+    """Swap every linear layer's forward for a prepacked oneDNN one (and the skinny kernel for few rows), or the
+    skinny kernel's alone where oneDNN lacks the dtype (``can_prepack``); returns how many were packed."""
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     if not linears:
         return 0
@@ -244,10 +260,22 @@ def prepack_linears(model: torch.nn.Module) -> int:
     panels = ops is not None and _wants_panels(linears[0].weight.dtype)
     for module in linears:
         prepack_linear(module, panels)
-    skinny = f", and for the skinny kernel up to {linears[0].skinny_max_rows} rows" if panels else ""
-    if panels and linears[0].weight.dtype == torch.float32:
-        skinny += f" (fp32 weights prefetched in software: {ops.prefetches_fp32_weights()})"
-    elif panels and linears[0].weight.dtype == torch.bfloat16:
-        skinny += f" (bf16 rows {BF16_PATHS[int(ops.linear_bf16_path(True))]})"
-    logger.info("prepacked %d linear layers for oneDNN%s", len(linears), skinny)
+    first = linears[0]
+    how = ""
+    if panels and first.weight.dtype == torch.float32:
+        how = f" (fp32 weights prefetched in software: {ops.prefetches_fp32_weights()})"
+    elif panels and first.weight.dtype == torch.bfloat16:
+        how = f" (bf16 rows {BF16_PATHS[int(ops.linear_bf16_path(True))]})"
+    if first.packed_weight is None:
+        name = str(first.weight.dtype).removeprefix("torch.")
+        logger.info(
+            "prepacked %d linear layers for the skinny kernel alone, at every row count: oneDNN has no %s GEMM on "
+            "this CPU%s",
+            len(linears),
+            name,
+            how,
+        )
+    else:
+        skinny = f", and for the skinny kernel up to {first.skinny_max_rows} rows{how}" if panels else ""
+        logger.info("prepacked %d linear layers for oneDNN%s", len(linears), skinny)
     return len(linears)

@@ -40,6 +40,8 @@ DEFAULT_ROWS = 64
 AMX_BF16_ROWS = 16
 PREFETCHED_FP32_ROWS = 128
 ZEN2_FP32_ROWS = 4096
+# Where oneDNN cannot multiply the dtype at all (bf16 on an AVX2-only CPU) there is nothing to hand over to.
+ALL_ROWS = 2**31 - 1
 
 
 def skinny_row_limit(
@@ -49,11 +51,15 @@ def skinny_row_limit(
     amx: bool,
     skinny_amx: bool = False,
     amd_zen2: bool = False,
+    onednn: bool = True,
 ) -> int:
     """The most rows a linear of ``weight_dtype`` ("float32", "bfloat16", ...) runs on the skinny kernel, on a CPU
     whose vector ISA torch reports as ``isa`` ("AVX512", "AVX2", ...), where the kernel prefetches fp32 weights in
     software or not, with AMX tiles for oneDNN or not, and for the kernel's own bf16 pass or not (``skinny_amx``:
-    an AVX-512 build of the kernel; an AVX2 build on the same CPU has none), on an AMD Zen 2 or not."""
+    an AVX-512 build of the kernel; an AVX2 build on the same CPU has none), on an AMD Zen 2 or not, where oneDNN
+    multiplies ``weight_dtype`` or not."""
+    if not onednn:
+        return ALL_ROWS
     if weight_dtype == "bfloat16" and amx and not skinny_amx:
         return AMX_BF16_ROWS
     if weight_dtype == "float32" and isa == "AVX2" and amd_zen2:

@@ -14,20 +14,23 @@ import pytest
 import torch
 
 from engine.config import BucketingConfig, CacheConfig, EngineConfig, SchedulerConfig
-from engine.linear_prepack import can_prepack
+from engine.linear_prepack import can_prepack, onednn_has
 
 # The engine tests run on the CPU; BUCKETSERVE_TEST_DEVICE=cuda runs the same tests on a GPU, with the
 # Hugging Face reference on that GPU too (fp32 on both sides, so greedy outputs stay comparable).
 TEST_DEVICE = os.environ.get("BUCKETSERVE_TEST_DEVICE", "cpu")
 
 # The engine's own choice (can_prepack): bf16 linears are prepacked (and so bf16 MLPs and attention layers fused,
-# and the decoder stack walked) only where oneDNN has a bf16 path; on an AVX2-only CPU the reorder raises and bf16
-# models keep their own forwards (test_bf16_linears_are_prepacked_only_where_onednn_has_a_bf16_path covers it).
-needs_onednn_bf16 = pytest.mark.skipif(
+# and the decoder stack walked) for oneDNN where it has a bf16 path, else for the skinny kernel alone where that is
+# built for AVX2 or AVX-512; elsewhere (a portable build of the kernels) bf16 models keep their own forwards
+# (test_bf16_linears_are_prepacked_for_onednn_or_else_for_the_kernel_alone covers the choice).
+needs_bf16_prepack = pytest.mark.skipif(
     not can_prepack(torch.device("cpu"), torch.bfloat16),
-    reason="oneDNN has no bf16 path on this CPU (no AVX-512 BW/VL/DQ or AVX-NE-CONVERT): bf16 linears are not "
-    "prepacked here (they stay F.linear), so nothing is fused in bf16",
+    reason="neither oneDNN (no bf16 path on this CPU) nor the skinny kernel (not built for AVX2 or AVX-512 here) "
+    "takes bf16 linears: they stay F.linear, so nothing is fused in bf16",
 )
+# Whether bf16 linears have a oneDNN side (above their row limit) on this CPU.
+ONEDNN_BF16 = onednn_has(torch.bfloat16)
 
 
 def small_config(**kw) -> EngineConfig:

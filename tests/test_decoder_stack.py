@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import greedy_tokens, needs_onednn_bf16, random_prompts, small_config
+from engine_helpers import greedy_tokens, needs_bf16_prepack, random_prompts, small_config
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
 
 import engine.llm_engine as llm_engine
@@ -135,7 +135,7 @@ def test_a_mixed_step_through_the_stack_equals_the_models_forward_and_reports_ev
     assert written == list(range(layers)) * 2  # the stack's pass, then the model's
 
 
-@needs_onednn_bf16
+@needs_bf16_prepack
 def test_in_bf16_the_engine_generates_what_it_does_without_the_stack(kernels, monkeypatch) -> None:
     prompts = random_prompts([1, 5, 17, 40, 90], seed=4)
     fast = LLMEngine(small_config(shape_policy="flat", dtype="bfloat16"))

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from engine_helpers import greedy_tokens, needs_onednn_bf16, random_prompts, small_config
+from engine_helpers import greedy_tokens, needs_bf16_prepack, random_prompts, small_config
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 
 import engine.llm_engine as llm_engine
@@ -140,7 +140,7 @@ def test_a_layer_that_computes_something_else_keeps_its_own_forward(rope, odd_cl
     assert all(is_fused(a) for a in layers if a is not odd)
 
 
-@needs_onednn_bf16
+@needs_bf16_prepack
 def test_in_bf16_the_fused_engine_generates_what_the_unfused_one_does(rope, monkeypatch) -> None:
     # Prompts of up to 64 tokens: the QKV linear then runs on the skinny kernel, whose columns sum alone, so the
     # fused projection is the three separate ones bit for bit and so are the tokens.

@@ -7,10 +7,11 @@ import gc
 import pytest
 import torch
 from engine_helpers import (
+    ONEDNN_BF16,
     can_run_amx_bf16,
     can_run_bf16_dot,
     cpuinfo_field,
-    needs_onednn_bf16,
+    needs_bf16_prepack,
     pinned_bf16_dot,
     pinned_kernel_path,
 )
@@ -25,6 +26,7 @@ from engine.linear_prepack import (
     skinny_max_rows,
     skinny_rows_lowered,
 )
+from engine.skinny_rows import ALL_ROWS
 
 
 @pytest.fixture(autouse=True)
@@ -380,25 +382,48 @@ def test_without_the_kernel_extension_every_row_count_runs_on_onednn(monkeypatch
         torch.testing.assert_close(compiled(x), want, rtol=1e-5, atol=1e-5)
 
 
-@needs_onednn_bf16
+@needs_bf16_prepack
 def test_bf16_linears_take_the_skinny_kernel_too(skinny) -> None:
     lin = torch.nn.Linear(64, 96).to(torch.bfloat16)
     with torch.inference_mode():
         prepack_linears(lin)
         assert lin.panel_weight.dtype == torch.bfloat16
-        for rows in (3, skinny_max_rows(torch.bfloat16) + 1):  # skinny, then oneDNN
+        # skinny, then oneDNN's side where it has bf16, else the kernel again over many rows (every row count)
+        wide = skinny_max_rows(torch.bfloat16) + 1 if ONEDNN_BF16 else 600
+        for rows in (3, wide):
             x = torch.randn(rows, 64, dtype=torch.bfloat16)
             want = torch.nn.functional.linear(x, lin.weight, lin.bias)
             torch.testing.assert_close(lin(x), want, rtol=2e-2, atol=2e-2)
 
 
-def test_bf16_linears_are_prepacked_only_where_onednn_has_a_bf16_path() -> None:
-    from engine.linear_prepack import can_prepack
+def test_bf16_linears_are_prepacked_for_onednn_or_else_for_the_kernel_alone(skinny) -> None:
+    from engine.linear_prepack import can_prepack, onednn_has
 
     cpu = torch.device("cpu")
-    assert can_prepack(cpu, torch.float32)
-    assert can_prepack(cpu, torch.bfloat16) == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert can_prepack(cpu, torch.float32) and onednn_has(torch.float32)
+    assert onednn_has(torch.bfloat16) == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    # the product's panels go to AVX-512 and AVX2 hosts; this module's fixture gives them to any host
+    panels = linear_prepack._wants_panels(torch.bfloat16)
+    assert can_prepack(cpu, torch.bfloat16) == (onednn_has(torch.bfloat16) or panels)
     assert not can_prepack(torch.device("meta"), torch.float32)
+    if onednn_has(torch.bfloat16) or not panels:
+        return
+    # No oneDNN bf16 here: panels alone, the kernel at every row count, nothing registered for oneDNN.
+    lin = torch.nn.Linear(64, 96).to(torch.bfloat16)
+    prepack_linears(lin)
+    assert lin.packed_weight is None and lin.panel_weight is not None
+    assert lin.skinny_max_rows == skinny_max_rows(torch.bfloat16) == ALL_ROWS
+    with pytest.raises(RuntimeError, match="no prepacked weight"):
+        torch.ops.bucketserve_cpu.packed_linear(torch.randn(2, 64), None, None, 96, lin.packed_index, 0)
+    with skinny_rows_lowered([lin], 1):  # no other side to probe: the limit stays
+        assert lin.skinny_max_rows == ALL_ROWS
+
+
+def test_a_linear_that_no_gemm_here_can_take_is_refused_with_a_reason(monkeypatch) -> None:
+    monkeypatch.setattr(linear_prepack, "onednn_has", lambda dtype: False)
+    lin = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="neither oneDNN nor the skinny kernel can take torch.bfloat16"):
+        linear_prepack.prepack_linear(lin, panels=False)
 
 
 def test_fp32_weights_are_prefetched_in_software_except_on_amd_avx512_cpus(skinny) -> None:

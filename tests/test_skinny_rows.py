@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.skinny_rows import (
+    ALL_ROWS,
     AMX_BF16_ROWS,
     DEFAULT_ROWS,
     PREFETCHED_FP32_ROWS,
@@ -51,7 +52,14 @@ def test_fp32_on_an_amd_zen2_stays_on_the_kernel_for_prompt_chunks(dtype, isa, z
     assert skinny_row_limit(dtype, isa, True, False, amd_zen2=zen2) == want
 
 
+@pytest.mark.parametrize("isa", ["AVX2", "AVX512"])
+def test_where_onednn_lacks_the_dtype_the_kernel_takes_every_row_count(isa) -> None:
+    # bf16 on an AVX2-only CPU: oneDNN has no bf16 path there, and F.linear's runs at a twentieth of the kernel's
+    assert skinny_row_limit("bfloat16", isa, True, False, onednn=False) == ALL_ROWS
+    assert skinny_row_limit("bfloat16", isa, True, True, amd_zen2=True, onednn=False) == ALL_ROWS
+
+
 def test_the_limits_keep_their_order() -> None:
     # bf16 on AMX hands over earliest, prefetched fp32 latest, fp32 on Zen 2 later still; a decode batch of one
     # always stays skinny
-    assert 1 < AMX_BF16_ROWS < DEFAULT_ROWS < PREFETCHED_FP32_ROWS < ZEN2_FP32_ROWS
+    assert 1 < AMX_BF16_ROWS < DEFAULT_ROWS < PREFETCHED_FP32_ROWS < ZEN2_FP32_ROWS < ALL_ROWS

@@ -676,6 +676,10 @@ std::vector<float>& thread_buffer(int which) {
   return buffers[which];
 }
 
+// Rows per thread's share of a conversion between bf16 and fp32 rows of `width` values: at least 16K values, so
+// that a decode's few rows stay on one thread.
+inline int64_t conversion_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
 Args check(const char* op, const at::Tensor& x_in, const at::Tensor& panels) {
   TORCH_CHECK(x_in.device().is_cpu() && panels.device().is_cpu(), op, ": CPU tensors only");
   const auto xt = x_in.scalar_type(), wt = panels.scalar_type();
@@ -699,7 +703,11 @@ Args check(const char* op, const at::Tensor& x_in, const at::Tensor& panels) {
   std::vector<float>& buf = thread_buffer(0);
   buf.resize(static_cast<size_t>(M * K));
   const at::BFloat16* src = x.const_data_ptr<at::BFloat16>();
-  for (int64_t i = 0; i < M * K; ++i) buf[i] = static_cast<float>(src[i]);  // exact
+  float* dst = buf.data();
+  // exact; on every thread (a prompt's rows: a serial pass took 4-10% of a bf16 call at 1024 rows)
+  at::parallel_for(0, M, conversion_grain(K), [&](int64_t m0, int64_t m1) {
+    for (int64_t i = m0 * K; i < m1 * K; ++i) dst[i] = static_cast<float>(src[i]);
+  });
   return {buf.data(), nullptr, M, K, panels.size(0), kWiden, bf16_weights, at::Tensor()};
 }
 
@@ -710,6 +718,29 @@ Args check(const char* op, const at::Tensor& x_in, const at::Tensor& panels) {
 // L3 16 MiB): 156-173 GFLOP/s in chunks of 256 rows against 93-153 over all rows (oneDNN: 134-145); chunks of
 // 512 and 1024 rows ran 132-167. A multiple of a pass's rows, so that only the last chunk ends in a tail.
 constexpr int64_t kChunkRows = (256 + kRowBlock - 1) / kRowBlock * kRowBlock;
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2, bf16 weights over many rows: a pass widens each weight line it reads (two shifts and two masks per panel
+// and k step beside its six FMAs), and every pass of the chunk widens the same lines again. From this many rows a
+// thread widens its panel pair once per chunk into fp32 panels (2 x K x 16 floats, in L2) and runs the fp32
+// passes over them: the same values in the same order, so the same bits. The kernel's bf16 rate on a 2-core Zen 2
+// EPYC over `small`'s shapes: 78-83 GFLOP/s at 64-1024 rows widening in the pass, fp32 176-190.
+constexpr int64_t kWidenOnceRows = 16;
+
+inline void widen_panels(const bf16_bits* w, int64_t K, int np, float* out) {
+  const int64_t paired = K & ~int64_t{1};
+  for (int j = 0; j < np; ++j) {
+    const bf16_bits* panel = w + j * K * kPanel;
+    float* o = out + j * K * kPanel;
+    for (int64_t k = 0; k < K; ++k) {
+      __m256 lo, hi;
+      load_w<bf16_bits>(panel, k, paired, lo, hi);
+      _mm256_storeu_ps(o + k * kPanel, lo);
+      _mm256_storeu_ps(o + k * kPanel + 8, hi);
+    }
+  }
+}
+#endif
 
 template <bool kGated, typename WT, bool kPf, typename XT>
 void run_pairs(const Args& a, const XT* xp, const WT* wp, const float* bp, float* yp, int64_t n) {
@@ -724,6 +755,21 @@ void run_pairs(const Args& a, const XT* xp, const WT* wp, const float* bp, float
         const int64_t p = 2 * q, c0 = (kGated ? q : p) * kPanel;
         const WT* w = wp + p * a.K * kPanel;
         const float* b = bp ? bp + c0 : nullptr;
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+        if constexpr (std::is_same_v<WT, bf16_bits>) {
+          if (rows >= kWidenOnceRows) {
+            thread_local std::vector<float> wide;
+            const int np = p + 1 < a.NP ? 2 : 1;
+            wide.resize(static_cast<size_t>(2 * a.K * kPanel));
+            widen_panels(w, a.K, np, wide.data());
+            if (np == 2)
+              panels_all_rows<2, kGated, float, kPf, XT>(x, rows, a.K, wide.data(), b, y + c0, n, n - c0);
+            else if constexpr (!kGated)
+              panels_all_rows<1, false, float, kPf, XT>(x, rows, a.K, wide.data(), b, y + c0, n, n - c0);
+            continue;
+          }
+        }
+#endif
         // the thread's next pair, where there is one and this pair takes several passes
         const WT* next = q + 1 < q1 && p + 3 < a.NP && rows > kRowBlock ? w + 2 * a.K * kPanel : nullptr;
         if (p + 1 < a.NP)
@@ -827,8 +873,14 @@ at::Tensor run(const Args& a, const at::Tensor& x_in, const at::Tensor& panels, 
       run_pairs<kGated, float, false>(a, a.x, panels.const_data_ptr<float>(), bp, yp, n);
     }
   }
-  // Rounded as Tensor.to(bfloat16) rounds (ATen's vectorised conversion of this build's capability).
-  if (!f32) at::vec::convert(yp, y.data_ptr<at::BFloat16>(), a.M * n);
+  // Rounded as Tensor.to(bfloat16) rounds (ATen's vectorised conversion of this build's capability), rows on
+  // every thread.
+  if (!f32) {
+    at::BFloat16* out = y.data_ptr<at::BFloat16>();
+    at::parallel_for(0, a.M, conversion_grain(n), [&](int64_t m0, int64_t m1) {
+      at::vec::convert(yp + m0 * n, out + m0 * n, (m1 - m0) * n);
+    });
+  }
   return y;
 }
 

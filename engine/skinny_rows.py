@@ -28,6 +28,9 @@ one process:
   mixed tokens / one 1024-token prompt / one 256-token prompt; 4096 against 1024 took 0.82 of the time of steps
   of ~4000 mixed tokens (the offline workload's) and the same below 1024. (On a Zen 3 the kernel ran 0.77-1.28x
   oneDNN at 128 rows: the rule below holds there.)
+- Where oneDNN has no GEMM of the dtype at all (bf16 on a CPU without AVX-512 BW/VL/DQ or AVX-NE-CONVERT): every
+  row count (``ALL_ROWS``), there being nothing to hand over to; ``F.linear``'s bf16 GEMM ran at 5-8 GFLOP/s on
+  the Zen 2 above, the kernel's at 121-141 from 256 to 1024 rows.
 - Everything else: 64 rows (measured on AVX-512 without AMX, and on AVX2: ``engine.linear_prepack``). bf16 on a
   2-core Zen 4 EPYC (AVX512_BF16, no AMX) with the kernel's dot-product pass: its four linears of a `small` layer
   took 0.76 / 0.90 / 0.96 / 1.02 / 1.06 of oneDNN's time at 16 / 32 / 48 / 64 / 96 rows, and decode steps with a

@@ -223,11 +223,12 @@ def prepack_linear(module: torch.nn.Linear, panels: bool) -> None:
     kernel extension) and swap its forward for the packed one."""
     ops = _kernels()
     w = module.weight.detach()  # [N, K]
-    index = _register(module)
-    module.panel_weight = panel_layout(w) if panels and ops is not None else None
+    panels = panels and ops is not None
     onednn = onednn_has(w.dtype)
-    if not onednn and module.panel_weight is None:
+    if not onednn and not panels:
         raise ValueError(f"neither oneDNN nor the skinny kernel can take {w.dtype} linears on this CPU")
+    index = _register(module)
+    module.panel_weight = panel_layout(w) if panels else None
     # Without oneDNN's copy the skinny kernel takes every row count (skinny_max_rows).
     module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, PACK_HINT_M) if onednn else None
     module.packed_index = index

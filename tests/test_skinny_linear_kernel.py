@@ -467,7 +467,7 @@ def test_the_bf16_path_can_be_pinned_where_the_cpu_runs_it_and_is_refused_elsewh
 
 
 def test_a_lowered_limit_sends_rows_past_it_to_onednn_meanwhile(skinny) -> None:
-    # How start-up probes check the oneDNN side without limit + 1 rows (1025 where the limit is 1024).
+    # How start-up probes check the oneDNN side without limit + 1 rows (4097 where the limit is 4096).
     lin = torch.nn.Linear(64, 96)
     x = torch.randn(9, 64)
     with torch.inference_mode():

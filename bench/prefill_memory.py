@@ -29,9 +29,12 @@ import time
 # name -> (environment added to the child's, whether the heap is trimmed after every prefill). The glibc
 # threshold sends every allocation above it to its own mmap, returned to the kernel when freed; the oneDNN capacity
 # keeps 16 primitives per kind instead of 1024; a trim (``malloc_trim(0)``) hands the free pages of glibc's heaps
-# back, as a worker could when its queue empties, and the next prefill faults them in again.
+# back, as a worker could when its queue empties, and the next prefill faults them in again. By default the engine
+# keeps glibc's heap between steps (``engine/heap.py``); any glibc malloc variable in the environment leaves glibc's
+# own behaviour, which "glibc" sets (an empty tunables string changes nothing else).
 SETTINGS: dict[str, tuple[dict[str, str], bool]] = {
     "default": ({}, False),
+    "glibc": ({"GLIBC_TUNABLES": ""}, False),
     "onednn16": ({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"}, False),
     "mmap64k": ({"MALLOC_MMAP_THRESHOLD_": "65536"}, False),
     "both": ({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "MALLOC_MMAP_THRESHOLD_": "65536"}, False),
@@ -95,6 +98,7 @@ def _rss_mib() -> float:
 def child(args: argparse.Namespace) -> dict:
     """One setting: build the engine and run the prefills; the figures as a dict."""
     from engine.config import EngineConfig
+    from engine.heap import keep_heap
     from engine.llm_engine import LLMEngine
     from engine.request import Request, SamplingParams
 
@@ -122,6 +126,7 @@ def child(args: argparse.Namespace) -> dict:
         "env_seen": {
             k: os.environ.get(k) for k in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "MALLOC_MMAP_THRESHOLD_")
         },
+        "heap_kept": keep_heap(),  # what the engine did at its start (cached)
         "ms_per_token": statistics.fmean(times_ms),
         "rss_after_warmup_mib": rss[args.warmup - 1] if args.warmup else rss[0],
         "rss_end_mib": rss[-1],
@@ -185,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
             "rss_peak_mib": [r["rss_peak_mib"] for r in runs[s]],
             "rss_trace_mib": [r["rss_trace_mib"] for r in runs[s]],
             "env_seen": runs[s][0]["env_seen"],
+            "heap_kept": [r["heap_kept"] for r in runs[s]],
         }
         result[s] = agg
         table.append(

@@ -65,6 +65,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         torch.manual_seed(config.seed)
         self.device = get_device(config.device)
+        self.device.prepare_process()
         facts = read_model_facts(config.model)
         self.config = cfg = resolve_engine_config(
             config, self.device.name, facts.max_position_embeddings, facts.dtype

@@ -25,9 +25,12 @@ def test_prefill_memory_report(tmp_path, monkeypatch):
         "--max-len",
         "200",
     ]
-    assert main([*argv, "--repeats", "1", "--settings", "both,onednn16+trim", "--out", str(out)]) == 0
+    assert main([*argv, "--repeats", "1", "--settings", "both,onednn16+trim,glibc", "--out", str(out)]) == 0
     result = json.loads(out.with_suffix(".json").read_text())["result"]
-    assert set(result) >= {"default", "both", "onednn16+trim"}
+    assert set(result) >= {"default", "both", "onednn16+trim", "glibc"}
+    # The engine keeps the heap unless a glibc malloc variable says otherwise.
+    assert result["default"]["heap_kept"] == [True] and result["onednn16+trim"]["heap_kept"] == [True]
+    assert result["both"]["heap_kept"] == [False] and result["glibc"]["heap_kept"] == [False]
     assert result["default"]["env_seen"] == {
         "ONEDNN_PRIMITIVE_CACHE_CAPACITY": None,
         "MALLOC_MMAP_THRESHOLD_": None,

@@ -38,6 +38,10 @@ class Device(abc.ABC):
     def mem_get_info(self) -> tuple[int, int]:
         """(free bytes, total bytes) of the memory the KV cache and weights live in."""
 
+    def prepare_process(self) -> None:  # noqa: B027 - optional hook
+        """Process-wide settings this device's steps want, made once when an engine starts (CPU: the heap keeps
+        freed activations for the next step, ``engine/heap.py``)."""
+
     def synchronize(self) -> None:  # noqa: B027 - optional hook, a no-op on CPU
         """Wait for queued work (no-op where execution is synchronous)."""
 

@@ -25,6 +25,11 @@ class CpuDevice(Device):
     def torch_device(self) -> torch.device:
         return torch.device("cpu")
 
+    def prepare_process(self) -> None:
+        from engine.heap import keep_heap
+
+        keep_heap()
+
     def mem_get_info(self) -> tuple[int, int]:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         try:

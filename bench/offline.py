@@ -227,7 +227,14 @@ class VllmOffline:
         ready, _, _ = select.select([self._results], [], [], self.timeout_s)
         line = self._results.readline() if ready else None
         if not line:
-            why = "timed out" if line is None else f"exited with code {self.proc.wait(timeout=30)}"
+            why = "timed out"
+            if (
+                line is not None
+            ):  # end of file: the process closed its end of the pipe, as it does when it exits
+                try:
+                    why = f"exited with code {self.proc.wait(timeout=30)}"
+                except subprocess.TimeoutExpired:
+                    why = "closed its result pipe"
             raise RuntimeError(
                 f"vLLM run failed while {what}: the process {why}; last lines of its log: {self._tail()}"
             )

@@ -4,7 +4,7 @@ Why: a step's activations (a prompt step of 3,200 tokens of ``small`` allocates 
 end of the step. With glibc's defaults, blocks above its mmap threshold (128 KiB, rising with what is freed, at most
 32 MiB) each get a mapping of their own, unmapped when freed, and the heap's free top is handed back to the kernel
 once it exceeds the trim threshold (twice the mmap threshold). The next step then takes every page of its
-activations as a fresh page fault (a kernel entry, a cgroup charge, the page zeroed): 35k faults a 3,200-token
+activations as a fresh page fault (a kernel entry, a cgroup charge, the page zeroed): ~37k faults a 3,200-token
 step, 11% of its samples. With the threshold fixed at its ceiling and no trim, the heap keeps its pages and the
 next step reuses them. On a 2-core Xeon with AMX, ``small``, processes alternating, two pairs: 16 prompts of 200
 tokens in bf16 took 147 / 134 ms against 187 / 279 (median of 12 steps); ``bench offline --dtype bfloat16``'s

@@ -322,6 +322,7 @@ def run(args: argparse.Namespace) -> int:
                         engine.config.bucketing.prefix_caching,  # and prefix caching on both or neither
                     )
                 )
+                time.sleep(ROUND_PAUSE_S)  # its warm-up's threads spin on a while, as after a timed run
             except (RuntimeError, OSError, json.JSONDecodeError) as e:
                 vllm_result = {"error": str(e)[:500]}
                 logger.warning("vLLM comparison failed: %s", e)

@@ -15,9 +15,6 @@ order, so the spread of each figure is in the report.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
-import functools
 import json
 import os
 import random
@@ -25,6 +22,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from engine.heap import trim_heap
 
 # name -> (environment added to the child's, whether the heap is trimmed after every prefill). The glibc
 # threshold sends every allocation above it to its own mmap, returned to the kernel when freed; the oneDNN capacity
@@ -61,30 +60,6 @@ def register(sub) -> None:
     )
     p.add_argument("--out", default="bench/results/prefill_memory", help="report path (without extension)")
     p.set_defaults(func=run)
-
-
-@functools.cache
-def _malloc_trim():
-    """glibc's ``malloc_trim``, or None where the C library is another (musl, macOS)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        fn = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_size_t]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def trim_heap() -> bool:
-    """Return the free pages of every glibc heap to the kernel; False where there is no glibc."""
-    fn = _malloc_trim()
-    if fn is None:
-        return False
-    fn(0)
-    return True
 
 
 def _rss_mib() -> float:

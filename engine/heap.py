@@ -46,24 +46,43 @@ def heap_settings(environ: Mapping[str, str]) -> dict[int, int]:
 
 
 @functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """The C library, with the heap calls used here typed, where it is glibc; None elsewhere (musl, macOS)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version.restype = ctypes.c_char_p
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.malloc_trim.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def trim_heap() -> bool:
+    """Return the free pages of every glibc heap to the kernel; False where there is no glibc."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
+@functools.cache
 def keep_heap() -> bool:
     """Sets glibc's heap to keep freed memory for the next step (once per process); whether it did."""
     settings = heap_settings(os.environ)
     if not settings:
         logger.info("heap: glibc's malloc variables are set in the environment; left as they say")
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt, version = libc.mallopt, libc.gnu_get_libc_version
-    except (OSError, AttributeError):
-        return False  # not glibc
-    version.restype = ctypes.c_char_p
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    done = all(mallopt(param, value) == 1 for param, value in settings.items())
+    libc = _glibc()
+    if libc is None:
+        return False
+    done = all(libc.mallopt(param, value) == 1 for param, value in settings.items())
     if done:
         logger.info(
             "heap: glibc %s keeps freed memory between steps (mmap threshold %d MiB, no trim)",
-            version().decode(),
+            libc.gnu_get_libc_version().decode(),
             MMAP_THRESHOLD >> 20,
         )
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from bench.prefill_memory import trim_heap
+from engine.heap import trim_heap
 from gateway.cli import main
 
 

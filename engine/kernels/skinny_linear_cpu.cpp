@@ -672,7 +672,8 @@ struct Args {
 };
 
 std::vector<float>& thread_buffer(int which) {
-  thread_local std::vector<float> buffers[2];  // 0: widened rows, 1: fp32 results to round to bf16
+  // 0: widened rows, 1: fp32 results to round to bf16 (both the calling thread's), 2: a worker's widened panels
+  thread_local std::vector<float> buffers[3];
   return buffers[which];
 }
 
@@ -760,7 +761,7 @@ void run_pairs(const Args& a, const XT* xp, const WT* wp, const float* bp, float
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
         if constexpr (std::is_same_v<WT, bf16_bits>) {
           if (rows >= kWidenOnceRows) {
-            thread_local std::vector<float> wide;
+            std::vector<float>& wide = thread_buffer(2);
             const int np = p + 1 < a.NP ? 2 : 1;
             wide.resize(static_cast<size_t>(2 * a.K * kPanel));
             widen_panels(w, a.K, np, wide.data());

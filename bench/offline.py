@@ -228,9 +228,8 @@ class VllmOffline:
         line = self._results.readline() if ready else None
         if not line:
             why = "timed out"
-            if (
-                line is not None
-            ):  # end of file: the process closed its end of the pipe, as it does when it exits
+            # End of file: the process closed its end of the pipe, as it does when it exits.
+            if line is not None:
                 try:
                     why = f"exited with code {self.proc.wait(timeout=30)}"
                 except subprocess.TimeoutExpired:
